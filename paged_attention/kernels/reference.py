@@ -1,0 +1,529 @@
+"""Plain-torch oracles: what every kernel in this project must compute (spec §5).
+
+Two kinds of reference live here.
+
+* ``ref_decode_attention``: dense attention in float64 for one decode step, read through block
+  tables from a flash-layout cache. It is the ground truth every kernel is compared against.
+* Plain-torch versions of vLLM's cache and attention ops, with vLLM's names, argument order and
+  layouts, so that a CUDA or Triton kernel can be swapped in and compared call for call:
+  ``reshape_and_cache`` (v0 layout), ``reshape_and_cache_flash`` (flash layout, NHD or HND),
+  ``copy_blocks``, ``swap_blocks``, ``paged_attention_v1`` and ``paged_attention_v2``.
+
+Two cache layouts appear throughout.
+
+* Flash layout: ``[num_blocks, block_size, num_kv_heads, head_size]``; NHD when that is the
+  memory order, HND when memory is ``[num_blocks, num_kv_heads, block_size, head_size]`` and the
+  tensor is a permuted view of it.
+* vLLM's v0 layout: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and value
+  ``[num_blocks, num_kv_heads, head_size, block_size]``, with ``x = 16 // element_size``: each
+  run of ``x`` key elements is 16 bytes, one vectorised load for the v0 CUDA kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from paged_attention.kernels import args
+from paged_attention.utils import cdiv
+
+# vLLM's softmax adds this to the denominator (spec pitfall 30).
+SOFTMAX_EPS = 1e-6
+# paged_attention_v2 cuts each sequence into partitions of this many tokens (spec §5.6).
+PARTITION_SIZE = 512
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------
+
+def v0_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte chunk of the v0 key cache: 8 for fp16/bf16, 4 for fp32, 16 for fp8."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def flash_to_v0(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy flash-layout caches ``[N, B, H, D]`` into vLLM's v0 layout (same contents)."""
+    n, b, h, d = key_cache.shape
+    x = v0_x(key_cache.dtype)
+    # key[blk, tok, head, dim] -> key_v0[blk, head, dim // x, tok, dim % x]
+    key_v0 = key_cache.reshape(n, b, h, d // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    # value[blk, tok, head, dim] -> value_v0[blk, head, dim, tok]: tokens innermost
+    value_v0 = value_cache.permute(0, 2, 3, 1).contiguous()
+    return key_v0, value_v0
+
+
+def v0_to_flash(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy v0-layout caches into the flash layout ``[N, B, H, D]`` (NHD, contiguous)."""
+    n, h, dx, b, x = key_cache.shape
+    key = key_cache.permute(0, 3, 1, 2, 4).reshape(n, b, h, dx * x).contiguous()
+    value = value_cache.permute(0, 3, 1, 2).contiguous()
+    return key, value
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's keys and values, ``[seq_len, num_kv_heads, head_size]`` each, in token order.
+
+    Token ``j`` lives in physical block ``block_table[j // block_size]`` at offset
+    ``j % block_size``: gathering the table's blocks and flattening (block, offset) gives the
+    tokens back in order.
+    """
+    block_size = key_cache.size(1)
+    blocks = block_table[: cdiv(seq_len, block_size)].long()
+    k = key_cache[blocks].flatten(0, 1)[:seq_len]
+    v = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+# --------------------------------------------------------------------------------------------
+# The float64 oracle
+# --------------------------------------------------------------------------------------------
+
+def _logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None,
+    positions: torch.Tensor,
+    seq_len: int,
+) -> torch.Tensor:
+    """Scaled scores ``[num_heads, n]`` of one query ``[H, D]`` against keys ``[n, H_kv, D]``.
+
+    Query head ``h`` reads KV head ``h // (H / H_kv)`` (grouped-query attention): repeating each
+    KV head ``H / H_kv`` times lines the two up. ALiBi adds ``slope * (j - seq_len + 1)``, zero at
+    the newest token and more negative the further back token ``j`` is.
+    """
+    group = q.size(0) // k.size(1)
+    k = k.repeat_interleave(group, dim=1)
+    logits = scale * torch.einsum("hd,nhd->hn", q, k)
+    if alibi_slopes is not None:
+        logits = logits + alibi_slopes.to(logits.dtype)[:, None] * (positions - seq_len + 1).to(logits.dtype)[None, :]
+    return logits
+
+
+def _weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``sum_j p[h, j] * v[j, kv(h), :]`` for probabilities ``[H, n]`` and values ``[n, H_kv, D]``."""
+    group = p.size(0) // v.size(1)
+    return torch.einsum("hn,nhd->hd", p, v.repeat_interleave(group, dim=1))
+
+
+def ref_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense attention of one decode step, in float64: the ground truth.
+
+    ``query`` is ``[num_seqs, num_heads, head_size]``, the caches are flash layout
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` (any strides), ``block_tables`` is
+    ``[num_seqs, max_blocks]`` and ``seq_lens`` is ``[num_seqs]``. Returns float64
+    ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon).
+    """
+    num_seqs, num_heads, head_size = query.shape
+    _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64, device=query.device)
+    slopes = None if alibi_slopes is None else alibi_slopes.double()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
+        positions = torch.arange(seq_len, device=query.device)
+        logits = _logits(query[s].double(), k.double(), scale, slopes, positions, seq_len)
+        out[s] = _weighted_values(torch.softmax(logits, dim=-1), v.double())
+    return out
+
+
+def _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                             check_ids: bool = True) -> int:
+    """Checks shared by every decode over the flash layout; returns the longest sequence."""
+    args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
+    args.tensor("key_cache", key_cache, ndim=4)
+    args.tensor("value_cache", value_cache, ndim=4)
+    args.same_device(query=query, key_cache=key_cache, value_cache=value_cache,
+                     block_tables=block_tables, seq_lens=seq_lens)
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    args.shape("key_cache", key_cache, (None, None, None, head_size))
+    args.shape("value_cache", value_cache, tuple(key_cache.shape))
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(
+            f"key_cache and value_cache must have the query's dtype {query.dtype}, "
+            f"got {key_cache.dtype} and {value_cache.dtype}"
+        )
+    args.gqa(num_heads, num_kv_heads)
+    args.alibi_slopes(alibi_slopes, num_heads)
+    return args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
+                                      num_blocks=num_blocks, check_ids=check_ids)
+
+
+# --------------------------------------------------------------------------------------------
+# Cache writes (spec §5.1, §5.2) and the fp8 conversions they may apply
+# --------------------------------------------------------------------------------------------
+
+def _to_cache(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> torch.Tensor:
+    """Convert input values to what the cache stores: unchanged, or fp8 bits as uint8.
+
+    fp8 stores ``saturate(x / scale)``: values beyond the format's largest finite number clamp
+    to it instead of becoming inf/NaN. ``scale`` broadcasts over the last dimension's heads.
+    """
+    if kv_cache_dtype in args.UNQUANTIZED_KV_DTYPES:
+        return x
+    fp8 = args.FP8_KV_DTYPES[kv_cache_dtype]
+    limit = torch.finfo(fp8).max
+    q = (x.float() / scale).clamp(-limit, limit)
+    return q.to(fp8).view(torch.uint8)
+
+
+def _from_cache(c: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> torch.Tensor:
+    """Read cache values back as float32: unchanged, or ``float(fp8) * scale``."""
+    if kv_cache_dtype in args.UNQUANTIZED_KV_DTYPES:
+        return c.float()
+    return c.view(args.FP8_KV_DTYPES[kv_cache_dtype]).float() * scale.float()
+
+
+def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_slots: int, per_head_scale: bool):
+    args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
+    args.tensor("value", value, ndim=3, dtypes=args.FLOAT_DTYPES)
+    args.shape("value", value, tuple(key.shape))
+    args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
+    want = args.cache_element_dtype(kv_cache_dtype, key.dtype)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != want:
+            raise TypeError(f"{name} must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r} "
+                            f"and {key.dtype} input, got {cache.dtype}")
+    args.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                     slot_mapping=slot_mapping)
+    num_heads = key.size(1)
+    args.scale("k_scale", k_scale, num_heads if per_head_scale else None)
+    args.scale("v_scale", v_scale, num_heads if per_head_scale else None)
+    if k_scale.shape != v_scale.shape:
+        raise ValueError(f"k_scale and v_scale must have the same shape, got {list(k_scale.shape)} "
+                         f"and {list(v_scale.shape)}")
+    args.slot_mapping("slot_mapping", slot_mapping, num_slots, key.size(0))
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write each token's keys and values into its slot of a v0-layout cache (spec §5.1).
+
+    Token ``t`` goes to slot ``s = slot_mapping[t]``: block ``s // block_size``, offset
+    ``s % block_size``. Key element ``d`` of head ``h`` lands at ``[blk, h, d // x, off, d % x]``
+    and value element ``d`` at ``[blk, h, d, off]``. Tokens with a negative slot are skipped.
+    Only ``slot_mapping.size(0)`` tokens are written (``key`` may be longer: padding).
+    """
+    args.tensor("key_cache", key_cache, ndim=5)
+    args.tensor("value_cache", value_cache, ndim=4)
+    num_blocks, num_heads, dx, block_size, x = key_cache.shape
+    if isinstance(key, torch.Tensor) and key.dim() == 3:
+        head_size = key.size(2)
+        args.shape("key_cache", key_cache, (None, key.size(1), None, None, None))
+        if x != v0_x(key_cache.dtype) or dx * x != head_size:
+            raise ValueError(
+                f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
+                f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
+                f"for head_size {head_size}"
+            )
+        args.shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
+    tokens = torch.nonzero(slot_mapping >= 0).flatten()
+    slots = slot_mapping[tokens]
+    blk, off = slots // block_size, slots % block_size
+    k = _to_cache(key[tokens], kv_cache_dtype, k_scale)
+    v = _to_cache(value[tokens], kv_cache_dtype, v_scale)
+    # Advanced indices on dims 0 and 3 move to the front: the target is [n, H, D/x, x].
+    key_cache[blk, :, :, off, :] = k.reshape(-1, num_heads, dx, x)
+    value_cache[blk, :, :, off] = v
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write each token's keys and values into a flash-layout cache (spec §5.2).
+
+    The caches are ``[num_blocks, block_size, num_heads, head_size]`` with any strides (NHD or
+    HND memory) and a unit last stride. Token ``t`` with slot ``s >= 0`` is written to
+    ``cache[s // block_size, s % block_size]``. Scales are ``[1]`` or per head ``[num_heads]``.
+    """
+    check_flash_caches(key, key_cache, value_cache)
+    num_blocks, block_size = key_cache.shape[:2]
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True)
+    tokens = torch.nonzero(slot_mapping >= 0).flatten()
+    slots = slot_mapping[tokens]
+    per_head = k_scale.reshape(-1, 1)  # [1, 1] or [H, 1]: broadcasts over [n, H, D]
+    key_cache[slots // block_size, slots % block_size] = _to_cache(key[tokens], kv_cache_dtype, per_head)
+    value_cache[slots // block_size, slots % block_size] = _to_cache(
+        value[tokens], kv_cache_dtype, v_scale.reshape(-1, 1))
+
+
+def check_flash_caches(key: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Shape and stride checks for flash-layout caches, shared by the reference and Triton."""
+    args.tensor("key", key, ndim=3)
+    args.tensor("key_cache", key_cache, ndim=4)
+    args.tensor("value_cache", value_cache, ndim=4)
+    args.shape("key_cache", key_cache, (None, None, key.size(1), key.size(2)))
+    args.shape("value_cache", value_cache, tuple(key_cache.shape))
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("key_cache and value_cache must have a unit stride in their last (head_size) dimension")
+    if key_cache.stride(0) != value_cache.stride(0):
+        raise ValueError(f"key_cache and value_cache must have the same block stride, got "
+                         f"{key_cache.stride(0)} and {value_cache.stride(0)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Block copies (spec §5.3, §5.4)
+# --------------------------------------------------------------------------------------------
+
+def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+    args.tensor("block_mapping", block_mapping, ndim=2, dtypes=(torch.int64,))
+    if block_mapping.size(1) != 2:
+        raise ValueError(f"block_mapping must have shape [num_pairs, 2] of (src, dst) ids, got {list(block_mapping.shape)}")
+    if block_mapping.numel() == 0:
+        return
+    pairs = block_mapping.cpu()
+    for col, name, limit in ((0, "src", num_src), (1, "dst", num_dst)):
+        ids = pairs[:, col]
+        if int(ids.min()) < 0 or int(ids.max()) >= limit:
+            raise ValueError(f"block_mapping holds a {name} block id outside [0, {limit})")
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """For every layer and every ``(src, dst)`` pair, copy block ``src`` over block ``dst`` (spec §5.3).
+
+    This is what copy-on-write needs: the legacy block manager's CoW pairs, applied to the caches
+    of all layers at once. Pairs are independent (all sources are read before any write), so a
+    block may be the source of several pairs. vLLM wanted ``block_mapping`` on the GPU; the
+    reference takes it on any device.
+    """
+    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
+        raise TypeError("key_caches and value_caches must be lists of tensors, one per layer")
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"key_caches and value_caches must have the same number of layers, "
+                         f"got {len(key_caches)} and {len(value_caches)}")
+    if not key_caches:
+        return
+    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+        args.tensor(f"key_caches[{i}]", k)
+        args.tensor(f"value_caches[{i}]", v)
+        if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
+            raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
+    _check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
+    src = block_mapping[:, 0].to(key_caches[0].device)
+    dst = block_mapping[:, 1].to(key_caches[0].device)
+    for cache in (*key_caches, *value_caches):
+        cache[dst] = cache[src]  # the right side is gathered into a new tensor first
+
+
+def _block_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous cache as ``[num_blocks, bytes_per_block]`` of uint8."""
+    args.tensor(name, t)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous to be copied block by block")
+    return t.view(torch.uint8).view(t.size(0), -1)
+
+
+def swap_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    block_size_in_bytes: int | torch.Tensor | None = None,
+    block_mapping: torch.Tensor | None = None,
+) -> None:
+    """Copy whole blocks between two caches, e.g. GPU to pinned CPU and back (spec §5.4).
+
+    Both of vLLM's signatures work: ``swap_blocks(src, dst, block_mapping)`` (until 2026-01,
+    a block is ``src.element_size() * src.stride(0)`` bytes) and
+    ``swap_blocks(src, dst, block_size_in_bytes, block_mapping)`` (latest). ``block_mapping`` is
+    an int64 ``[n, 2]`` tensor of ``(src, dst)`` block ids and must be on the CPU, as in vLLM.
+    vLLM refuses CPU-to-CPU swaps; the reference allows them so that it runs on any machine.
+    """
+    if block_mapping is None and isinstance(block_size_in_bytes, torch.Tensor):
+        block_size_in_bytes, block_mapping = None, block_size_in_bytes
+    if block_mapping is None:
+        raise TypeError("swap_blocks needs block_mapping: swap_blocks(src, dst, [block_size_in_bytes,] block_mapping)")
+    src_b, dst_b = _block_bytes("src", src), _block_bytes("dst", dst)
+    args.tensor("block_mapping", block_mapping, device=torch.device("cpu"))
+    _check_block_mapping(block_mapping, src.size(0), dst.size(0))
+    nbytes = src.element_size() * src.stride(0) if block_size_in_bytes is None else block_size_in_bytes
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise TypeError(f"block_size_in_bytes must be a positive int, got {block_size_in_bytes!r}")
+    if nbytes > min(src_b.size(1), dst_b.size(1)):
+        raise ValueError(f"block_size_in_bytes={nbytes} exceeds a block of src ({src_b.size(1)} bytes) "
+                         f"or dst ({dst_b.size(1)} bytes)")
+    s = block_mapping[:, 0].to(src.device)
+    d = block_mapping[:, 1].to(dst.device)
+    dst_b[d, :nbytes] = src_b[s, :nbytes].to(dst.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Paged attention v1 / v2 over the v0 layout (spec §5.6), in plain torch
+# --------------------------------------------------------------------------------------------
+
+def _check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                        blocksparse_vert_stride) -> list[int]:
+    args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
+    args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
+    args.shape("out", out, tuple(query.shape))
+    args.tensor("key_cache", key_cache, ndim=5)
+    args.tensor("value_cache", value_cache, ndim=4)
+    args.same_device(out=out, query=query, key_cache=key_cache, value_cache=value_cache,
+                     block_tables=block_tables, seq_lens=seq_lens)
+    num_seqs, num_heads, head_size = query.shape
+    args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
+    want = args.cache_element_dtype(kv_cache_dtype, query.dtype)
+    if key_cache.dtype != want or value_cache.dtype != want:
+        raise TypeError(f"key_cache and value_cache must have dtype {want} for kv_cache_dtype="
+                        f"{kv_cache_dtype!r}, got {key_cache.dtype} and {value_cache.dtype}")
+    x = v0_x(want)
+    args.shape("key_cache", key_cache, (None, num_kv_heads, head_size // x, block_size, x))
+    args.shape("value_cache", value_cache, (key_cache.size(0), num_kv_heads, head_size, block_size))
+    if head_size % x:
+        raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x}")
+    args.gqa(num_heads, num_kv_heads)
+    args.alibi_slopes(alibi_slopes, num_heads)
+    args.scale("k_scale", k_scale)
+    args.scale("v_scale", v_scale)
+    if blocksparse_vert_stride > 1:
+        raise ValueError("block-sparse attention (blocksparse_vert_stride > 1) is not implemented here")
+    longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
+                                         num_blocks=key_cache.size(0))
+    if longest > max_seq_len:
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be >= the longest of seq_lens ({longest})")
+    return seq_lens.tolist()
+
+
+def _gather_v0(key_cache, value_cache, block_table, seq_len, kv_cache_dtype, k_scale, v_scale):
+    """One sequence's keys and values as float32 ``[seq_len, H_kv, D]`` from v0-layout caches."""
+    blocks = block_table[: cdiv(seq_len, value_cache.size(3))].long()
+    kb = key_cache[blocks]                       # [nb, H, D/x, B, x]
+    k = kb.permute(0, 3, 1, 2, 4).flatten(0, 1).flatten(2, 3)[:seq_len]   # [(nb*B), H, D]
+    v = value_cache[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:seq_len]  # [(nb*B), H, D]
+    return _from_cache(k, kv_cache_dtype, k_scale), _from_cache(v, kv_cache_dtype, v_scale)
+
+
+def _softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max, exp_sum, probabilities)`` of a row-wise softmax with vLLM's ``+1e-6``."""
+    m = logits.amax(dim=-1)
+    e = torch.exp(logits - m[:, None])
+    s = e.sum(dim=-1)
+    return m, s, e / (s[:, None] + SOFTMAX_EPS)
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    tp_rank: int = 0,
+    blocksparse_local_blocks: int = 0,
+    blocksparse_vert_stride: int = 0,
+    blocksparse_block_size: int = 64,
+    blocksparse_head_sliding_step: int = 0,
+) -> None:
+    """One decode step over a v0-layout cache, each sequence in one pass (spec §5.6).
+
+    Scores and sums are float32, as in the CUDA kernel; the softmax denominator carries vLLM's
+    ``+1e-6``; the result is written into ``out`` in the query's dtype. Block-sparse attention
+    (``blocksparse_vert_stride > 1``) is not implemented; ``tp_rank`` only mattered there.
+    """
+    lens = _check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                               block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                               blocksparse_vert_stride)
+    for s, seq_len in enumerate(lens):
+        k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
+        positions = torch.arange(seq_len, device=query.device)
+        logits = _logits(query[s].float(), k, scale, alibi_slopes, positions, seq_len)
+        _, _, p = _softmax_parts(logits)
+        out[s] = _weighted_values(p, v).to(out.dtype)
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    tp_rank: int = 0,
+    blocksparse_local_blocks: int = 0,
+    blocksparse_vert_stride: int = 0,
+    blocksparse_block_size: int = 64,
+    blocksparse_head_sliding_step: int = 0,
+) -> None:
+    """One decode step in 512-token partitions, then a reduction (spec §5.6).
+
+    Partition ``p`` of a sequence covers tokens ``[512 p, 512 (p + 1))``. It records its own
+    maximum score ``m_p`` (``max_logits``), its exp-sum ``s_p`` (``exp_sums``) and its locally
+    normalised output (``tmp_out``, query dtype). The reduction rescales each partition to the
+    global maximum ``M``: weight ``w_p = s_p exp(m_p - M)``, and ``out = sum_p w_p tmp_out_p /
+    (sum_p w_p + 1e-6)``. A single-partition sequence copies ``tmp_out`` straight to ``out``.
+    Partitions past a sequence's end are left untouched, as the CUDA kernel leaves them.
+    """
+    lens = _check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                               block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                               blocksparse_vert_stride)
+    num_seqs, num_heads, head_size = query.shape
+    num_partitions = cdiv(max_seq_len, PARTITION_SIZE)
+    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits)):
+        args.tensor(name, t, dtypes=(torch.float32,))
+        args.shape(name, t, (num_seqs, num_heads, num_partitions))
+    args.tensor("tmp_out", tmp_out, dtypes=(query.dtype,))
+    args.shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
+    for s, seq_len in enumerate(lens):
+        k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
+        q = query[s].float()
+        n = cdiv(seq_len, PARTITION_SIZE)
+        for p in range(n):
+            lo, hi = p * PARTITION_SIZE, min((p + 1) * PARTITION_SIZE, seq_len)
+            positions = torch.arange(lo, hi, device=query.device)
+            m, e, probs = _softmax_parts(_logits(q, k[lo:hi], scale, alibi_slopes, positions, seq_len))
+            max_logits[s, :, p] = m
+            exp_sums[s, :, p] = e
+            tmp_out[s, :, p] = _weighted_values(probs, v[lo:hi]).to(tmp_out.dtype)
+        if n == 1:
+            out[s] = tmp_out[s, :, 0]
+            continue
+        m = max_logits[s, :, :n]
+        w = exp_sums[s, :, :n] * torch.exp(m - m.amax(dim=-1, keepdim=True))   # [H, n]
+        merged = (tmp_out[s, :, :n].float() * w[:, :, None]).sum(dim=1)
+        out[s] = (merged / (w.sum(dim=-1, keepdim=True) + SOFTMAX_EPS)).to(out.dtype)

@@ -1,0 +1,107 @@
+"""Triton ``reshape_and_cache_flash``: scatter new tokens' keys and values into their slots.
+
+Every step of a model, each new token's key and value vectors (``[num_heads, head_size]`` each)
+must be stored in the slot the scheduler gave it. The slot mapping says where: slot ``s`` is
+offset ``s % block_size`` of physical block ``s // block_size``. One program handles a few
+tokens; for each it reads the slot, and copies the ``[num_heads, head_size]`` tile of keys and
+of values to the cache, unless the slot is negative (a padding token).
+
+The caches are flash layout ``[num_blocks, block_size, num_heads, head_size]`` with any strides,
+so the same kernel writes NHD memory (heads inside a token) and HND memory (tokens inside a
+head): only the strides passed in differ.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_attention.kernels import args
+from paged_attention.kernels.reference import check_flash_caches
+
+
+@triton.jit
+def _reshape_and_cache_flash_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    num_tokens,
+    key_stride_t, key_stride_h, value_stride_t, value_stride_h,
+    kc_stride_blk, kc_stride_tok, kc_stride_head,
+    vc_stride_blk, vc_stride_tok, vc_stride_head,
+    NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # A [BLOCK_H, BLOCK_D] tile covers one token's heads x head dims (padded to powers of two).
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    in_tile = (h < NUM_HEADS) & (d < HEAD_SIZE)
+    for i in range(TOKENS_PER_PROGRAM):
+        t = tl.program_id(0) * TOKENS_PER_PROGRAM + i
+        # Tokens past the end, and padding tokens (slot < 0), load and store nothing.
+        slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+        mask = in_tile & (tl.full([BLOCK_H, BLOCK_D], 0, tl.int64) + slot >= 0)
+        blk = slot // BLOCK_SIZE    # physical block
+        off = slot % BLOCK_SIZE     # token's row inside that block
+        # Source: token t's heads; the head dimension is contiguous (unit stride).
+        k = tl.load(key_ptr + t * key_stride_t + h * key_stride_h + d, mask=mask)
+        v = tl.load(value_ptr + t * value_stride_t + h * value_stride_h + d, mask=mask)
+        # Destination: cache[blk, off, h, d], placed by the cache's own strides (NHD or HND).
+        tl.store(key_cache_ptr + blk * kc_stride_blk + off * kc_stride_tok + h * kc_stride_head + d, k, mask=mask)
+        tl.store(value_cache_ptr + blk * vc_stride_blk + off * vc_stride_tok + h * vc_stride_head + d, v, mask=mask)
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_heads, head_size]`` into flash-layout caches.
+
+    Same arguments and semantics as vLLM's op (spec §5.2) for unquantized caches: only
+    ``slot_mapping.size(0)`` tokens are written, negative slots are skipped. fp8 caches are
+    refused (use ``kernels.reference.reshape_and_cache_flash``, or the CUDA kernels).
+    """
+    check_flash_caches(key, key_cache, value_cache)
+    args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
+    if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
+        raise ValueError(f"the Triton reshape_and_cache_flash writes unquantized caches only "
+                         f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or kernels.cuda")
+    args.tensor("value", value, ndim=3)
+    args.shape("value", value, tuple(key.shape))
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        args.tensor(name, t, dtypes=_triton_float_dtypes(key.device))
+        if t.dtype != key.dtype:
+            raise TypeError(f"{name} must have the key's dtype {key.dtype}, got {t.dtype}")
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("key and value must have a unit stride in their last (head_size) dimension")
+    args.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    args.scale("k_scale", k_scale, key.size(1))
+    args.scale("v_scale", v_scale, key.size(1))
+    num_blocks, block_size, num_heads, head_size = key_cache.shape
+    args.slot_mapping("slot_mapping", slot_mapping, num_blocks * block_size, key.size(0))
+
+    num_tokens = slot_mapping.size(0)
+    if num_tokens == 0:
+        return
+    tokens_per_program = 1 if key.is_cuda else 16   # the interpreter pays per program: batch tokens
+    grid = (triton.cdiv(num_tokens, tokens_per_program),)
+    _reshape_and_cache_flash_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping, num_tokens,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        TOKENS_PER_PROGRAM=tokens_per_program,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_size),
+    )
+
+
+def _triton_float_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """Triton's interpreter has no bf16 arithmetic; compiled Triton has."""
+    if device.type == "cuda":
+        return args.FLOAT_DTYPES
+    return (torch.float32, torch.float16)

@@ -1,0 +1,271 @@
+"""Triton paged decode attention: one new query token per sequence, keys and values read
+through a block table.
+
+The problem. Sequence ``s`` has ``seq_lens[s]`` tokens cached. Token ``j`` of it lives in
+physical block ``block_tables[s, j // block_size]``, at row ``j % block_size`` of that block.
+For each query head ``h`` we want ``softmax(scale * q_h . K^T) V`` over those tokens, where K and
+V come from KV head ``h // (num_heads / num_kv_heads)`` (grouped-query attention, GQA).
+
+The plan (flash-decoding).
+
+* One program per (sequence, KV head, split). It loads all the query heads that share its KV
+  head as the rows of one tile, so every key and value it reads from memory serves all of them:
+  a decode step is bound by memory, and this reads the cache exactly once.
+* A program walks its tokens ``TILE_N`` at a time. For each token it looks up the physical block
+  in the block table, so a tile may span several blocks that are scattered anywhere in the
+  cache: paging costs one extra (cached) load per token, not a copy.
+* Softmax is computed online: a running maximum ``m``, running sum ``l`` and running weighted
+  sum ``acc`` are rescaled whenever a larger score appears, so no score is stored.
+* Long sequences with few programs would leave most of the GPU idle. Then each sequence's
+  context is cut into ``num_splits`` contiguous ranges, each program reduces one range to a
+  partial ``(m, l, acc / l)``, and a second small kernel merges the partials:
+  ``out = sum_i w_i o_i / sum_i w_i`` with ``w_i = l_i * 2^(m_i - M)`` and ``M = max_i m_i``.
+
+Scores are kept in base 2 (``scale * log2(e)`` folded into the query scale), because ``exp2`` is
+the GPU's native instruction; the softmax is unchanged by the change of base.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_attention.kernels.reference import _check_flash_decode_args
+from paged_attention.kernels.triton.cache import _triton_float_dtypes
+from paged_attention.kernels import args
+from paged_attention.utils import cdiv
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
+    qk_scale,                                   # scale * log2(e)
+    tokens_per_split,
+    q_stride_s, q_stride_h,
+    k_stride_blk, k_stride_tok, k_stride_head,
+    v_stride_blk, v_stride_tok, v_stride_head,
+    bt_stride_s,
+    o_stride_s, o_stride_h,
+    QUERIES_PER_KV: tl.constexpr,               # query heads sharing one KV head (GQA group)
+    BLOCK_G: tl.constexpr,                      # that group padded to a tile height >= 16
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,                   # tokens per KV-cache block (page)
+    TILE_N: tl.constexpr,                       # tokens per loop step
+    NUM_SPLITS: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * QUERIES_PER_KV
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    # Rows of the tile: the query heads of this KV head's group (rows >= QUERIES_PER_KV are
+    # padding, with zero queries). Columns: the head dimension, padded to a power of two.
+    g = tl.arange(0, BLOCK_G)
+    head = kv_head * QUERIES_PER_KV + g
+    g_mask = g < QUERIES_PER_KV
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_SIZE
+    q = tl.load(q_ptr + seq * q_stride_s + head[:, None] * q_stride_h + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=g_mask, other=0.0) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max score (base 2)
+    l_i = tl.zeros([BLOCK_G], tl.float32)                 # running sum of 2^(score - m_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)        # running sum of 2^(score - m_i) * v
+
+    table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+    k_head = k_cache_ptr + kv_head * k_stride_head
+    v_head = v_cache_ptr + kv_head * v_stride_head
+    for tile_start in range(start, end, TILE_N):
+        n = tile_start + tl.arange(0, TILE_N)             # token positions in the sequence
+        n_mask = n < end
+        # Paging: token n sits in physical block table[n // BLOCK_SIZE], row n % BLOCK_SIZE.
+        # int64 because block * block_stride can exceed 2^31 elements in a large cache.
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = (n % BLOCK_SIZE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
+                    mask=kv_mask, other=0.0)                                   # [TILE_N, BLOCK_D]
+        v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
+                    mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_G, TILE_N]
+        if USE_ALIBI:
+            # ALiBi: slope * (j - seq_len + 1), zero for the newest token.
+            s += slope[:, None] * (n - seq_len + 1).to(tl.float32)[None, :]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)                      # rescales what was summed so far
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * o_stride_s + head[:, None] * o_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # Partial result of this split: normalised output, max and sum, in float32 buffers of
+        # shape [num_seqs, num_heads, NUM_SPLITS(, HEAD_SIZE)]. An empty split (start >= end)
+        # stores m = -inf, l = 0: weight zero in the merge.
+        idx = (seq * num_heads + head) * NUM_SPLITS + split
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(part_out_ptr + idx[:, None] * HEAD_SIZE + d[None, :], out, mask=o_mask)
+        tl.store(part_m_ptr + idx, m_i, mask=g_mask)
+        tl.store(part_l_ptr + idx, l_i, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    o_stride_s, o_stride_h,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (sequence, query head): merge its NUM_SPLITS partial results.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    i = tl.arange(0, BLOCK_S)
+    i_mask = i < NUM_SPLITS
+    m = tl.load(part_m_ptr + base + i, mask=i_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + i, mask=i_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = l * tl.exp2(m - m_max)                 # each split's softmax mass, on a common scale
+    w = tl.where(i_mask & (l > 0), w, 0.0)     # empty splits weigh nothing (and avoid -inf - -inf)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_SIZE
+    o = tl.load(part_out_ptr + (base + i)[:, None] * HEAD_SIZE + d[None, :],
+                mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + seq * o_stride_s + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """How many ranges to cut each sequence's context into, so that the GPU is kept busy.
+
+    With ``num_seqs * num_kv_heads`` programs already enough to give every multiprocessor a few,
+    splitting only adds a merge. Below that, split until there are about four programs per
+    multiprocessor, keeping at least 256 tokens per split so each program still streams a long
+    run of memory. On the interpreter (a CPU), every program costs Python time: never split.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target // 2:
+        return 1
+    return max(1, min(cdiv(target, programs), cdiv(max_seq_len, 256)))
+
+
+def _tile_n(device: torch.device, max_seq_len: int, block_g: int) -> tuple[int, int, int]:
+    """``(TILE_N, num_warps, num_stages)``: tokens per loop step and launch shape."""
+    if device.type != "cuda":
+        # Interpreter: few, large steps (its cost is per operation, not per byte).
+        return min(256, max(16, triton.next_power_of_2(max_seq_len))), 1, 1
+    return 64, 4, 3
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi_slopes: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    check_ids: bool = True,
+) -> None:
+    """Decode attention over a flash-layout paged cache, written into ``out``.
+
+    ``query``/``out``: ``[num_seqs, num_heads, head_size]``. ``key_cache``/``value_cache``:
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` with NHD or HND strides, the query's
+    dtype. ``block_tables``: int32 ``[num_seqs, max_blocks]``; ``seq_lens``: ``[num_seqs]``, each
+    >= 1. ``alibi_slopes``: optional float32 ``[num_heads]``. ``block_size`` must be a power of
+    two >= 8. ``num_splits`` overrides the context split (default: ``choose_num_splits``);
+    ``max_seq_len`` saves a device-to-host read when ``check_ids=False``. ``check_ids=False``
+    skips the index checks, which copy the tables to the host: only for tables known good.
+    """
+    longest = _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
+                                       alibi_slopes, check_ids=check_ids)
+    args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
+    args.shape("out", out, tuple(query.shape))
+    args.same_device(out=out, query=query)
+    args.tensor("query", query, dtypes=_triton_float_dtypes(query.device))
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size (key_cache.size(1)) must be a power of two >= 8, got {block_size}")
+    if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("query, out, key_cache and value_cache must have a unit stride in head_size")
+    if max_seq_len is None:
+        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
+    if num_seqs == 0:
+        return
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+
+    queries_per_kv = num_heads // num_kv_heads
+    block_g = max(16, triton.next_power_of_2(queries_per_kv))
+    tile_n, num_warps, num_stages = _tile_n(query.device, max_seq_len, block_g)
+    # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
+    tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), tile_n) * tile_n
+    num_splits = cdiv(max_seq_len, tokens_per_split)
+
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_out = part_m = part_l = out   # unused
+    use_alibi = alibi_slopes is not None
+    fp32 = query.dtype == torch.float32
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_out, part_m, part_l,
+        query, key_cache, value_cache, block_tables, seq_lens,
+        alibi_slopes if use_alibi else query,
+        scale * LOG2E, tokens_per_split,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g,
+        HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
+        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        USE_ALIBI=use_alibi, DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, part_out, part_m, part_l, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        )

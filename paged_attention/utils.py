@@ -1,0 +1,41 @@
+"""Small helpers shared by every section: the device enum, integer helpers, the padding slot.
+
+They mirror the helpers vLLM keeps in ``vllm/utils`` so that code here reads like the code there.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Iterator, Sequence, TypeVar
+
+T = TypeVar("T")
+
+# A slot id that kernels skip: padding tokens (CUDA-graph padding, dummy runs) map to it.
+PAD_SLOT_ID: int = -1
+
+
+class Device(enum.Enum):
+    """Where a block lives. The legacy allocators keep one pool per device."""
+
+    GPU = enum.auto()
+    CPU = enum.auto()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative integers: how many blocks of size ``b`` hold ``a`` items."""
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two that is >= ``n`` (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def chunk_list(lst: Sequence[T], chunk_size: int) -> Iterator[Sequence[T]]:
+    """Yield successive ``chunk_size`` slices of ``lst``; the last one may be shorter.
+
+    This is how a token list is cut into blocks: ``chunk_list(tokens, block_size)``.
+    """
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    for i in range(0, len(lst), chunk_size):
+        yield lst[i:i + chunk_size]

@@ -1,0 +1,47 @@
+"""The look shared by every drawing: one small palette and a helper that makes an Axes.
+
+Colours are chosen once here so that "token states" or "sequence 1" has the same colour in
+every notebook.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# The four kinds of KV-cache memory (keys match ``memory_sim.CATEGORIES``).
+CATEGORY_COLORS: dict[str, str] = {
+    "token_states": "#4C78A8",            # blue: useful
+    "reserved": "#EECA3B",                # yellow: held for tokens still to come
+    "internal_fragmentation": "#E45756",  # red: never used
+    "external_fragmentation": "#9D755D",  # brown: stranded between allocations
+}
+CATEGORY_NAMES: dict[str, str] = {
+    "token_states": "token states",
+    "reserved": "reserved",
+    "internal_fragmentation": "internal fragmentation",
+    "external_fragmentation": "external fragmentation",
+}
+
+# One colour per sequence, reused in order when there are more sequences than colours.
+SEQ_COLORS: tuple[str, ...] = ("#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#FF9DA6")
+EDGE_COLOR = "#444444"   # box outlines
+MUTED_COLOR = "#999999"  # free blocks, secondary labels
+PAPER_COLOR = "#222222"  # the paper's numbers, drawn over our own
+
+
+def seq_color(index: int) -> str:
+    """The colour of sequence ``index``."""
+    return SEQ_COLORS[index % len(SEQ_COLORS)]
+
+
+def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
+    """Return ``ax``, or the Axes of a new figure of ``figsize`` inches when ``ax`` is None.
+
+    pyplot is imported here rather than at module level, so that importing ``viz`` never picks
+    a matplotlib backend behind the caller's back.
+    """
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots(figsize=figsize)
+    return ax
