@@ -110,8 +110,9 @@ class MemoryBreakdown:
     - ``reserved``: slots set aside for tokens the request will generate later;
     - ``internal_fragmentation``: slots allocated that the request will never fill;
     - ``external_fragmentation``: free slots stranded between allocations.
-    ``steps`` is how many decode steps the trace took and ``mean_running`` the average batch size:
-    less waste means more requests share the cache at once, so the same trace finishes sooner.
+    ``steps`` is how many steps the trace took, ``mean_running`` the average batch size and
+    ``mean_slots`` the average number of slots in use (allocated or stranded) per step: less
+    waste means more requests share the cache at once, so the same trace finishes sooner.
     """
 
     scheme: str
@@ -121,6 +122,7 @@ class MemoryBreakdown:
     external_fragmentation: float
     steps: int = 0
     mean_running: float = 0.0
+    mean_slots: float = 0.0
 
     @property
     def useful(self) -> float:
@@ -240,7 +242,8 @@ def simulate(trace: list[Request], scheme: str, *, capacity_tokens: int = 16384,
     used = sum(totals)
     shares = [t / used if used else 0.0 for t in totals]
     return MemoryBreakdown(scheme, *shares, steps=steps,
-                           mean_running=running_sum / steps if steps else 0.0)
+                           mean_running=running_sum / steps if steps else 0.0,
+                           mean_slots=used / steps if steps else 0.0)
 
 
 def _run_contiguous(trace: list[Request], scheme: str, capacity: int,

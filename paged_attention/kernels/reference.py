@@ -123,8 +123,8 @@ def ref_decode_attention(
     ``[num_seqs, max_blocks]`` and ``seq_lens`` is ``[num_seqs]``. Returns float64
     ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon).
     """
-    num_seqs, num_heads, head_size = query.shape
     _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    num_seqs, num_heads, head_size = query.shape
     out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64, device=query.device)
     slopes = None if alibi_slopes is None else alibi_slopes.double()
     for s, seq_len in enumerate(seq_lens.tolist()):

@@ -46,7 +46,7 @@ def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
     qk_scale,                                   # scale * log2(e)
-    tokens_per_split,
+    tokens_per_split, num_splits,
     q_stride_s, q_stride_h,
     k_stride_blk, k_stride_tok, k_stride_head,
     v_stride_blk, v_stride_tok, v_stride_head,
@@ -57,7 +57,7 @@ def _paged_decode_kernel(
     HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,                   # tokens per KV-cache block (page)
     TILE_N: tl.constexpr,                       # tokens per loop step
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,                        # False: one split, write `out` directly
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -116,15 +116,15 @@ def _paged_decode_kernel(
         m_i = m_new
 
     o_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * o_stride_s + head[:, None] * o_stride_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # Partial result of this split: normalised output, max and sum, in float32 buffers of
-        # shape [num_seqs, num_heads, NUM_SPLITS(, HEAD_SIZE)]. An empty split (start >= end)
+        # shape [num_seqs, num_heads, num_splits(, HEAD_SIZE)]. An empty split (start >= end)
         # stores m = -inf, l = 0: weight zero in the merge.
-        idx = (seq * num_heads + head) * NUM_SPLITS + split
+        idx = (seq * num_heads + head) * num_splits + split
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(part_out_ptr + idx[:, None] * HEAD_SIZE + d[None, :], out, mask=o_mask)
         tl.store(part_m_ptr + idx, m_i, mask=g_mask)
@@ -134,16 +134,15 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
-    o_stride_s, o_stride_h,
-    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    o_stride_s, o_stride_h, num_splits,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    # One program per (sequence, query head): merge its NUM_SPLITS partial results.
+    # One program per (sequence, query head): merge its num_splits partial results.
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    base = (seq * tl.num_programs(1) + head) * num_splits
     i = tl.arange(0, BLOCK_S)
-    i_mask = i < NUM_SPLITS
+    i_mask = i < num_splits
     m = tl.load(part_m_ptr + base + i, mask=i_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + base + i, mask=i_mask, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -179,7 +178,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(cdiv(target, programs), cdiv(max_seq_len, 256)))
 
 
-def _tile_n(device: torch.device, max_seq_len: int, block_g: int) -> tuple[int, int, int]:
+def choose_launch(device: torch.device, max_seq_len: int) -> tuple[int, int, int]:
     """``(TILE_N, num_warps, num_stages)``: tokens per loop step and launch shape."""
     if device.type != "cuda":
         # Interpreter: few, large steps (its cost is per operation, not per byte).
@@ -200,6 +199,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     check_ids: bool = True,
+    launch: tuple[int, int, int] | None = None,
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -210,6 +210,7 @@ def paged_attention_decode(
     two >= 8. ``num_splits`` overrides the context split (default: ``choose_num_splits``);
     ``max_seq_len`` saves a device-to-host read when ``check_ids=False``. ``check_ids=False``
     skips the index checks, which copy the tables to the host: only for tables known good.
+    ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default: ``choose_launch``), for tuning.
     """
     longest = _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                        alibi_slopes, check_ids=check_ids)
@@ -234,7 +235,9 @@ def paged_attention_decode(
 
     queries_per_kv = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(queries_per_kv))
-    tile_n, num_warps, num_stages = _tile_n(query.device, max_seq_len, block_g)
+    tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len)
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"TILE_N must be a power of two >= 16, got {tile_n}")
     # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
     tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), tile_n) * tile_n
     num_splits = cdiv(max_seq_len, tokens_per_split)
@@ -251,7 +254,7 @@ def paged_attention_decode(
         out, part_out, part_m, part_l,
         query, key_cache, value_cache, block_tables, seq_lens,
         alibi_slopes if use_alibi else query,
-        scale * LOG2E, tokens_per_split,
+        scale * LOG2E, tokens_per_split, num_splits,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -259,13 +262,13 @@ def paged_attention_decode(
         out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g,
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=num_splits > 1,
         USE_ALIBI=use_alibi, DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_out, part_m, part_l, out.stride(0), out.stride(1),
+            out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
             HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=triton.next_power_of_2(num_splits),
         )

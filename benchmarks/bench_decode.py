@@ -1,0 +1,31 @@
+"""Decode-attention bandwidth of the Triton kernel, as a fraction of a device-to-device copy.
+
+Usage (GPU machine):  python benchmarks/bench_decode.py [--sweep]
+Prints one row per (batch, context) of issue 2's targets, with a shuffled and an identity block
+table. ``--sweep`` tries launch shapes and split counts instead (for tuning the defaults).
+"""
+import argparse
+import sys
+
+import torch
+
+import paged_attention  # noqa: F401  (device policy first)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="tune launch shapes and split counts")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("this benchmark needs an NVIDIA GPU (on a CPU the Triton interpreter says nothing about speed)")
+        return 1
+    from paged_attention import bench
+    if opts.sweep:
+        bench.sweep()
+    else:
+        bench.decode_table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Matplotlib drawings shared by the notebooks.
+
+Every function takes an optional ``ax`` (a new figure is made when it is None), returns the
+Axes it drew on, never calls ``plt.show()`` and draws the same picture for the same input.
+The palette lives in :mod:`paged_attention.viz.style`.
+"""
+from paged_attention.viz.memory import draw_waste_breakdown
+from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
+from paged_attention.viz.style import CATEGORY_COLORS, SEQ_COLORS, seq_color
+
+__all__ = [
+    "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
+    "CATEGORY_COLORS", "SEQ_COLORS", "seq_color",
+]

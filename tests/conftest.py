@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+import paged_attention  # noqa: F401  (decides the device and the Triton mode first)
+from paged_attention import runtime
+
+
+def pytest_collection_modifyitems(config, items):
+    if runtime.HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return runtime.DEVICE
+
+
+def dtype_params(include_fp32: bool = True):
+    """fp32 and fp16 everywhere; bf16 only compiled on a GPU (the interpreter has no bf16)."""
+    params = [torch.float32] if include_fp32 else []
+    params += [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.cuda, id="bfloat16")]
+    return params
