@@ -165,16 +165,18 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     """How many ranges to cut each sequence's context into, so that the GPU is kept busy.
 
     With ``num_seqs * num_kv_heads`` programs already enough to give every multiprocessor a few,
-    splitting only adds a merge. Below that, split until there are about four programs per
-    multiprocessor, keeping at least 256 tokens per split so each program still streams a long
-    run of memory. On the interpreter (a CPU), every program costs Python time: never split.
+    splitting only adds a merge. Below that, split until there are about eight programs per
+    multiprocessor (several waves, so that the last, partly filled wave costs little), keeping
+    at least 256 tokens per split so each program still streams a long run of memory. On the
+    interpreter (a CPU), every program costs Python time: never split.
     """
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= target // 2:
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= 2 * sms:
         return 1
+    target = 8 * sms
     return max(1, min(cdiv(target, programs), cdiv(max_seq_len, 256)))
 
 
@@ -183,7 +185,7 @@ def choose_launch(device: torch.device, max_seq_len: int) -> tuple[int, int, int
     if device.type != "cuda":
         # Interpreter: few, large steps (its cost is per operation, not per byte).
         return min(256, max(16, triton.next_power_of_2(max_seq_len))), 1, 1
-    return 64, 4, 3
+    return 64, 2, 3
 
 
 def paged_attention_decode(
