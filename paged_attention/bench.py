@@ -87,7 +87,7 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
     copy_bw = copy_bandwidth()
     print_fn(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
     print_fn("model: 32 query heads / 8 KV heads, head size 128, block size 16, bf16; "
-             f"launch (TILE_N, warps, stages) = {choose_launch(torch.device('cuda'), 0)}")
+             "timed as CUDA-graph replays, L2 flushed before each")
     header = f"{'batch':>5} {'context':>7} {'splits':>6} {'time us':>9} {'KV TB/s':>8} {'fraction':>8}"
     if identity:
         header += f" {'identity us':>11} {'shuffled/identity':>17}"
@@ -137,7 +137,7 @@ def sweep(shapes=DECODE_SHAPES, print_fn=print) -> None:
         print_fn(f"batch {batch} x context {context} (auto splits {auto}):")
         for frac, launch, splits, ms in results[:6]:
             print_fn(f"  {frac:.3f}  launch={launch} splits={splits} {ms * 1e3:.1f} us")
-        default = [r for r in results if r[1] == choose_launch(torch.device('cuda'), 0) and r[2] == auto]
+        default = [r for r in results if r[1] == choose_launch(torch.device('cuda'), context, auto) and r[2] == auto]
         if default:
             print_fn(f"  default: {default[0][0]:.3f}")
         del p

@@ -165,10 +165,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     """How many ranges to cut each sequence's context into, so that the GPU is kept busy.
 
     With ``num_seqs * num_kv_heads`` programs already enough to give every multiprocessor a few,
-    splitting only adds a merge. Below that, split until there are about eight programs per
-    multiprocessor (several waves, so that the last, partly filled wave costs little), keeping
-    at least 256 tokens per split so each program still streams a long run of memory. On the
-    interpreter (a CPU), every program costs Python time: never split.
+    splitting only adds a merge. Below that, split until there are about four programs per
+    multiprocessor, keeping at least 256 tokens per split so each program still streams a long
+    run of memory. (Measured on an H200 at batch 4 x 32768 and 1 x 131072: two or eight
+    programs per multiprocessor were 1-2% slower.) On the interpreter (a CPU), every program
+    costs Python time: never split.
     """
     if device.type != "cuda":
         return 1
@@ -176,16 +177,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
-    target = 8 * sms
+    target = 4 * sms
     return max(1, min(cdiv(target, programs), cdiv(max_seq_len, 256)))
 
 
-def choose_launch(device: torch.device, max_seq_len: int) -> tuple[int, int, int]:
-    """``(TILE_N, num_warps, num_stages)``: tokens per loop step and launch shape."""
+def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -> tuple[int, int, int]:
+    """``(TILE_N, num_warps, num_stages)``: tokens per loop step and launch shape.
+
+    On a GPU: 64 tokens (four 16-token blocks) a step, four warps, loads software-pipelined
+    three steps deep; two when the context is split, since each program then runs a short loop
+    and more programs fit on a multiprocessor. These won a sweep on an H200
+    (``benchmarks/bench_decode.py --sweep``) by a few percent over their neighbours.
+    """
     if device.type != "cuda":
         # Interpreter: few, large steps (its cost is per operation, not per byte).
         return min(256, max(16, triton.next_power_of_2(max_seq_len))), 1, 1
-    return 64, 2, 3
+    return (64, 4, 2) if num_splits > 1 else (64, 4, 3)
 
 
 def paged_attention_decode(
@@ -237,7 +244,7 @@ def paged_attention_decode(
 
     queries_per_kv = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(queries_per_kv))
-    tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len)
+    tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len, num_splits)
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"TILE_N must be a power of two >= 16, got {tile_n}")
     # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
