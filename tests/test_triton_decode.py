@@ -28,7 +28,7 @@ def test_decode_matches_oracle(device, dtype, num_heads, num_kv_heads, layout):
     assert_close_to_oracle(_run(p), ref_decode_attention(*p.decode_args()))
 
 
-@pytest.mark.parametrize("block_size", [8, 32, 64])
+@pytest.mark.parametrize("block_size", [4, 8, 12, 32, 64])   # vLLM: powers of two >= 8
 @pytest.mark.parametrize("head_size", [32, 80, 128])
 def test_block_and_head_sizes(device, block_size, head_size):
     lens = [1, block_size, 2 * block_size + 3, 130]

@@ -215,8 +215,8 @@ def paged_attention_decode(
     ``query``/``out``: ``[num_seqs, num_heads, head_size]``. ``key_cache``/``value_cache``:
     ``[num_blocks, block_size, num_kv_heads, head_size]`` with NHD or HND strides, the query's
     dtype. ``block_tables``: int32 ``[num_seqs, max_blocks]``; ``seq_lens``: ``[num_seqs]``, each
-    >= 1. ``alibi_slopes``: optional float32 ``[num_heads]``. ``block_size`` must be a power of
-    two >= 8. ``num_splits`` overrides the context split (default: ``choose_num_splits``);
+    >= 1. ``alibi_slopes``: optional float32 ``[num_heads]``. Any block size works (each token
+    looks its block up), though vLLM uses powers of two >= 8. ``num_splits`` overrides the context split (default: ``choose_num_splits``);
     ``max_seq_len`` saves a device-to-host read when ``check_ids=False``. ``check_ids=False``
     skips the index checks, which copy the tables to the host: only for tables known good.
     ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default: ``choose_launch``), for tuning.
@@ -229,8 +229,6 @@ def paged_attention_decode(
     args.tensor("query", query, dtypes=_triton_float_dtypes(query.device))
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"block_size (key_cache.size(1)) must be a power of two >= 8, got {block_size}")
     if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("query, out, key_cache and value_cache must have a unit stride in head_size")
     if max_seq_len is None:
