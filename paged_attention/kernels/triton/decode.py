@@ -60,6 +60,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,                        # False: one split, write `out` directly
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,9 +94,12 @@ def _paged_decode_kernel(
         n = tile_start + tl.arange(0, TILE_N)             # token positions in the sequence
         n_mask = n < end
         # Paging: token n sits in physical block table[n // BLOCK_SIZE], row n % BLOCK_SIZE.
-        # int64 because block * block_stride can exceed 2^31 elements in a large cache.
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = (n % BLOCK_SIZE).to(tl.int64)
+        # In a cache of 2^31 elements or more, block * block_stride needs 64 bits.
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0)
+        row = n % BLOCK_SIZE
+        if OFFSETS_64:
+            block = block.to(tl.int64)
+            row = row.to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
                     mask=kv_mask, other=0.0)                                   # [TILE_N, BLOCK_D]
@@ -154,6 +158,11 @@ def _merge_splits_kernel(
                 mask=i_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + seq * o_stride_s + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _span(t: torch.Tensor) -> int:
+    """One past the largest element offset a tensor view reaches from its first element."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,6 +280,7 @@ def paged_attention_decode(
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=num_splits > 1,
         USE_ALIBI=use_alibi, DOT_PRECISION="ieee" if fp32 else "tf32",
+        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
