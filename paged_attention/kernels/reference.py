@@ -123,7 +123,7 @@ def ref_decode_attention(
     ``[num_seqs, max_blocks]`` and ``seq_lens`` is ``[num_seqs]``. Returns float64
     ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon).
     """
-    _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
     num_seqs, num_heads, head_size = query.shape
     out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64, device=query.device)
     slopes = None if alibi_slopes is None else alibi_slopes.double()
@@ -135,7 +135,7 @@ def ref_decode_attention(
     return out
 
 
-def _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
                              check_ids: bool = True) -> int:
     """Checks shared by every decode over the flash layout; returns the longest sequence."""
     args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)

@@ -73,7 +73,7 @@ def reshape_and_cache_flash(
     args.tensor("value", value, ndim=3)
     args.shape("value", value, tuple(key.shape))
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        args.tensor(name, t, dtypes=_triton_float_dtypes(key.device))
+        args.tensor(name, t, dtypes=triton_float_dtypes(key.device))
         if t.dtype != key.dtype:
             raise TypeError(f"{name} must have the key's dtype {key.dtype}, got {t.dtype}")
     if key.stride(2) != 1 or value.stride(2) != 1:
@@ -100,7 +100,7 @@ def reshape_and_cache_flash(
     )
 
 
-def _triton_float_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+def triton_float_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     """Triton's interpreter has no bf16 arithmetic; compiled Triton has."""
     if device.type == "cuda":
         return args.FLOAT_DTYPES

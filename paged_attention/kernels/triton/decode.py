@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_attention.kernels.reference import _check_flash_decode_args
-from paged_attention.kernels.triton.cache import _triton_float_dtypes
+from paged_attention.kernels.reference import check_flash_decode_args
+from paged_attention.kernels.triton.cache import triton_float_dtypes
 from paged_attention.kernels import args
 from paged_attention.utils import cdiv
 
@@ -233,12 +233,12 @@ def paged_attention_decode(
     skips the index checks, which copy the tables to the host: only for tables known good.
     ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default: ``choose_launch``), for tuning.
     """
-    longest = _check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
+    longest = check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                        alibi_slopes, check_ids=check_ids)
     args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
     args.shape("out", out, tuple(query.shape))
     args.same_device(out=out, query=query)
-    args.tensor("query", query, dtypes=_triton_float_dtypes(query.device))
+    args.tensor("query", query, dtypes=triton_float_dtypes(query.device))
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
