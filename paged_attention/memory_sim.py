@@ -189,7 +189,7 @@ def _reservation(scheme: str, request: Request, max_model_len: int) -> int:
 
 
 def simulate(trace: list[Request], scheme: str, *, capacity_tokens: int = 16384,
-             max_model_len: int = 2048, block_size: int = 16, seed: int = 0) -> MemoryBreakdown:
+             max_model_len: int = 2048, block_size: int = 16) -> MemoryBreakdown:
     """Serve ``trace`` with one allocation scheme and report where the KV-cache memory went.
 
     A discrete-time loop. All requests wait in one FIFO queue at the start. Every step:
@@ -214,15 +214,13 @@ def simulate(trace: list[Request], scheme: str, *, capacity_tokens: int = 16384,
     admitted in that step. Any free block serves any request, so there is no external
     fragmentation; the unfilled tail of each last block is internal fragmentation.
 
-    The loop has no randomness; ``seed`` is accepted so that one seed can be passed to
-    everything in a notebook, and does not change the result.
+    The loop has no randomness: the trace alone decides the result.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}; got {scheme!r}")
     _check_int("capacity_tokens", capacity_tokens, 1)
     _check_int("max_model_len", max_model_len, 1)
     _check_int("block_size", block_size, 1)
-    _check_int("seed", seed, 0)
     if capacity_tokens < max_model_len or (capacity_tokens // block_size) * block_size < max_model_len:
         raise ValueError(
             f"capacity_tokens ({capacity_tokens}) must hold one request of max_model_len "
