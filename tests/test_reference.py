@@ -27,18 +27,17 @@ def test_layout_round_trip_and_positions():
 
 
 def test_oracle_against_a_hand_computed_case():
-    # One sequence, one head, two tokens in two scattered blocks of size 8: softmax by hand.
+    # One sequence of 10 tokens, one head, blocks of 8 scattered as [2, 0]: token 0 is block 2
+    # row 0, token 9 is block 0 row 1; every other token has zero key and value.
     key_cache = torch.zeros(3, 8, 1, 2)
     value_cache = torch.zeros(3, 8, 1, 2)
     key_cache[2, 0, 0] = torch.tensor([1.0, 0.0])
     value_cache[2, 0, 0] = torch.tensor([1.0, 2.0])
-    key_cache[0, 1, 0] = torch.tensor([0.0, 1.0])   # token 9: block_table[1] = 0, row 1
+    key_cache[0, 1, 0] = torch.tensor([0.0, 1.0])
     value_cache[0, 1, 0] = torch.tensor([3.0, -1.0])
-    key_cache[2, 1:] = 100.0                         # rows past token 0 in block 2: never read
+    value_cache[0, 2:] = 50.0                        # rows past token 9 in block 0: never read
     q = torch.tensor([[[2.0, 0.0]]])
-    # Tokens 1..8 sit in block 2 rows 1..7 and block 0 row 0: give the sequence 10 tokens.
     table = torch.tensor([[2, 0]], dtype=torch.int32)
-    key_cache[2, 1:] = 0.0
     out = ref.ref_decode_attention(q, key_cache, value_cache, table, torch.tensor([10], dtype=torch.int32), 0.5)
     logits = torch.tensor([1.0] + [0.0] * 9)          # 0.5 * q.k: token 0 scores 1, the rest 0
     p = torch.softmax(logits.double(), 0)

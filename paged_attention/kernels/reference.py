@@ -222,19 +222,19 @@ def reshape_and_cache(
     and value element ``d`` at ``[blk, h, d, off]``. Tokens with a negative slot are skipped.
     Only ``slot_mapping.size(0)`` tokens are written (``key`` may be longer: padding).
     """
+    args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("key_cache", key_cache, ndim=5)
     args.tensor("value_cache", value_cache, ndim=4)
     num_blocks, num_heads, dx, block_size, x = key_cache.shape
-    if isinstance(key, torch.Tensor) and key.dim() == 3:
-        head_size = key.size(2)
-        args.shape("key_cache", key_cache, (None, key.size(1), None, None, None))
-        if x != v0_x(key_cache.dtype) or dx * x != head_size:
-            raise ValueError(
-                f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
-                f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
-                f"for head_size {head_size}"
-            )
-        args.shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
+    head_size = key.size(2)
+    args.shape("key_cache", key_cache, (None, key.size(1), None, None, None))
+    if x != v0_x(key_cache.dtype) or dx * x != head_size:
+        raise ValueError(
+            f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
+            f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
+            f"for head_size {head_size}"
+        )
+    args.shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
     _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                        k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
     tokens = torch.nonzero(slot_mapping >= 0).flatten()
