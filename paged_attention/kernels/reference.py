@@ -205,6 +205,26 @@ def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cach
     args.slot_mapping("slot_mapping", slot_mapping, num_slots, key.size(0))
 
 
+def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                            k_scale, v_scale) -> None:
+    """All argument checks of ``reshape_and_cache`` (v0 layout); shared with the CUDA wrapper."""
+    args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
+    args.tensor("key_cache", key_cache, ndim=5)
+    args.tensor("value_cache", value_cache, ndim=4)
+    num_blocks, num_heads, dx, block_size, x = key_cache.shape
+    head_size = key.size(2)
+    args.shape("key_cache", key_cache, (None, key.size(1), None, None, None))
+    if x != v0_x(key_cache.dtype) or dx * x != head_size:
+        raise ValueError(
+            f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
+            f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
+            f"for head_size {head_size}"
+        )
+    args.shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -222,21 +242,8 @@ def reshape_and_cache(
     and value element ``d`` at ``[blk, h, d, off]``. Tokens with a negative slot are skipped.
     Only ``slot_mapping.size(0)`` tokens are written (``key`` may be longer: padding).
     """
-    args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
-    args.tensor("key_cache", key_cache, ndim=5)
-    args.tensor("value_cache", value_cache, ndim=4)
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     num_blocks, num_heads, dx, block_size, x = key_cache.shape
-    head_size = key.size(2)
-    args.shape("key_cache", key_cache, (None, key.size(1), None, None, None))
-    if x != v0_x(key_cache.dtype) or dx * x != head_size:
-        raise ValueError(
-            f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
-            f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
-            f"for head_size {head_size}"
-        )
-    args.shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
-    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
     tokens = torch.nonzero(slot_mapping >= 0).flatten()
     slots = slot_mapping[tokens]
     blk, off = slots // block_size, slots % block_size
@@ -263,16 +270,24 @@ def reshape_and_cache_flash(
     HND memory) and a unit last stride. Token ``t`` with slot ``s >= 0`` is written to
     ``cache[s // block_size, s % block_size]``. Scales are ``[1]`` or per head ``[num_heads]``.
     """
-    check_flash_caches(key, key_cache, value_cache)
-    num_blocks, block_size = key_cache.shape[:2]
-    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True)
+    check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                  k_scale, v_scale)
+    block_size = key_cache.size(1)
     tokens = torch.nonzero(slot_mapping >= 0).flatten()
     slots = slot_mapping[tokens]
     per_head = k_scale.reshape(-1, 1)  # [1, 1] or [H, 1]: broadcasts over [n, H, D]
     key_cache[slots // block_size, slots % block_size] = _to_cache(key[tokens], kv_cache_dtype, per_head)
     value_cache[slots // block_size, slots % block_size] = _to_cache(
         value[tokens], kv_cache_dtype, v_scale.reshape(-1, 1))
+
+
+def check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                  k_scale, v_scale) -> None:
+    """All argument checks of ``reshape_and_cache_flash``; shared with the CUDA wrapper."""
+    check_flash_caches(key, key_cache, value_cache)
+    num_blocks, block_size = key_cache.shape[:2]
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True)
 
 
 def check_flash_caches(key: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -293,7 +308,7 @@ def check_flash_caches(key: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 # Block copies (spec §5.3, §5.4)
 # --------------------------------------------------------------------------------------------
 
-def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
     args.tensor("block_mapping", block_mapping, ndim=2, dtypes=(torch.int64,))
     if block_mapping.size(1) != 2:
         raise ValueError(f"block_mapping must have shape [num_pairs, 2] of (src, dst) ids, got {list(block_mapping.shape)}")
@@ -306,6 +321,24 @@ def _check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int
             raise ValueError(f"block_mapping holds a {name} block id outside [0, {limit})")
 
 
+def check_copy_blocks(key_caches, value_caches, block_mapping) -> bool:
+    """All argument checks of ``copy_blocks``; False when there is nothing to copy (no layers)."""
+    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
+        raise TypeError("key_caches and value_caches must be lists of tensors, one per layer")
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"key_caches and value_caches must have the same number of layers, "
+                         f"got {len(key_caches)} and {len(value_caches)}")
+    if not key_caches:
+        return False
+    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+        args.tensor(f"key_caches[{i}]", k)
+        args.tensor(f"value_caches[{i}]", v)
+        if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
+            raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
+    check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
+    return True
+
+
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """For every layer and every ``(src, dst)`` pair, copy block ``src`` over block ``dst`` (spec §5.3).
 
@@ -314,19 +347,8 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     block may be the source of several pairs. vLLM wanted ``block_mapping`` on the GPU; the
     reference takes it on any device.
     """
-    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
-        raise TypeError("key_caches and value_caches must be lists of tensors, one per layer")
-    if len(key_caches) != len(value_caches):
-        raise ValueError(f"key_caches and value_caches must have the same number of layers, "
-                         f"got {len(key_caches)} and {len(value_caches)}")
-    if not key_caches:
+    if not check_copy_blocks(key_caches, value_caches, block_mapping):
         return
-    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
-        args.tensor(f"key_caches[{i}]", k)
-        args.tensor(f"value_caches[{i}]", v)
-        if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
-            raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
-    _check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
     src = block_mapping[:, 0].to(key_caches[0].device)
     dst = block_mapping[:, 1].to(key_caches[0].device)
     for cache in (*key_caches, *value_caches):
@@ -339,6 +361,24 @@ def _block_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous to be copied block by block")
     return t.view(torch.uint8).view(t.size(0), -1)
+
+
+def check_swap_blocks(src, dst, block_size_in_bytes=None, block_mapping=None) -> tuple[int, torch.Tensor]:
+    """All argument checks of ``swap_blocks`` (either signature); returns ``(bytes, block_mapping)``."""
+    if block_mapping is None and isinstance(block_size_in_bytes, torch.Tensor):
+        block_size_in_bytes, block_mapping = None, block_size_in_bytes
+    if block_mapping is None:
+        raise TypeError("swap_blocks needs block_mapping: swap_blocks(src, dst, [block_size_in_bytes,] block_mapping)")
+    src_b, dst_b = _block_bytes("src", src), _block_bytes("dst", dst)
+    args.tensor("block_mapping", block_mapping, device=torch.device("cpu"))
+    check_block_mapping(block_mapping, src.size(0), dst.size(0))
+    nbytes = src.element_size() * src.stride(0) if block_size_in_bytes is None else block_size_in_bytes
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise TypeError(f"block_size_in_bytes must be a positive int, got {block_size_in_bytes!r}")
+    if nbytes > min(src_b.size(1), dst_b.size(1)):
+        raise ValueError(f"block_size_in_bytes={nbytes} exceeds a block of src ({src_b.size(1)} bytes) "
+                         f"or dst ({dst_b.size(1)} bytes)")
+    return nbytes, block_mapping
 
 
 def swap_blocks(
@@ -355,19 +395,8 @@ def swap_blocks(
     an int64 ``[n, 2]`` tensor of ``(src, dst)`` block ids and must be on the CPU, as in vLLM.
     vLLM refuses CPU-to-CPU swaps; the reference allows them so that it runs on any machine.
     """
-    if block_mapping is None and isinstance(block_size_in_bytes, torch.Tensor):
-        block_size_in_bytes, block_mapping = None, block_size_in_bytes
-    if block_mapping is None:
-        raise TypeError("swap_blocks needs block_mapping: swap_blocks(src, dst, [block_size_in_bytes,] block_mapping)")
+    nbytes, block_mapping = check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
     src_b, dst_b = _block_bytes("src", src), _block_bytes("dst", dst)
-    args.tensor("block_mapping", block_mapping, device=torch.device("cpu"))
-    _check_block_mapping(block_mapping, src.size(0), dst.size(0))
-    nbytes = src.element_size() * src.stride(0) if block_size_in_bytes is None else block_size_in_bytes
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-        raise TypeError(f"block_size_in_bytes must be a positive int, got {block_size_in_bytes!r}")
-    if nbytes > min(src_b.size(1), dst_b.size(1)):
-        raise ValueError(f"block_size_in_bytes={nbytes} exceeds a block of src ({src_b.size(1)} bytes) "
-                         f"or dst ({dst_b.size(1)} bytes)")
     s = block_mapping[:, 0].to(src.device)
     d = block_mapping[:, 1].to(dst.device)
     dst_b[d, :nbytes] = src_b[s, :nbytes].to(dst.device)
@@ -377,9 +406,10 @@ def swap_blocks(
 # Paged attention v1 / v2 over the v0 layout (spec §5.6), in plain torch
 # --------------------------------------------------------------------------------------------
 
-def _check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                        blocksparse_vert_stride) -> list[int]:
+def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                       block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                       blocksparse_vert_stride) -> list[int]:
+    """All argument checks of ``paged_attention_v1`` (and v2's shared ones); returns the lengths."""
     args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
     args.shape("out", out, tuple(query.shape))
@@ -428,6 +458,17 @@ def _softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return m, s, e / (s[:, None] + SOFTMAX_EPS)
 
 
+def check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len: int) -> None:
+    """v2's scratch tensors: one entry (or output row) per sequence, head and 512-token partition."""
+    num_seqs, num_heads, head_size = query.shape
+    num_partitions = cdiv(max_seq_len, PARTITION_SIZE)
+    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits)):
+        args.tensor(name, t, dtypes=(torch.float32,), device=query.device)
+        args.shape(name, t, (num_seqs, num_heads, num_partitions))
+    args.tensor("tmp_out", tmp_out, dtypes=(query.dtype,), device=query.device)
+    args.shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
+
+
 def paged_attention_v1(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -455,9 +496,9 @@ def paged_attention_v1(
     ``+1e-6``; the result is written into ``out`` in the query's dtype. Block-sparse attention
     (``blocksparse_vert_stride > 1``) is not implemented; ``tp_rank`` only mattered there.
     """
-    lens = _check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                               block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                               blocksparse_vert_stride)
+    lens = check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                              block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                              blocksparse_vert_stride)
     for s, seq_len in enumerate(lens):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
         positions = torch.arange(seq_len, device=query.device)
@@ -499,16 +540,10 @@ def paged_attention_v2(
     (sum_p w_p + 1e-6)``. A single-partition sequence copies ``tmp_out`` straight to ``out``.
     Partitions past a sequence's end are left untouched, as the CUDA kernel leaves them.
     """
-    lens = _check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+    lens = check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                                block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                               blocksparse_vert_stride)
-    num_seqs, num_heads, head_size = query.shape
-    num_partitions = cdiv(max_seq_len, PARTITION_SIZE)
-    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits)):
-        args.tensor(name, t, dtypes=(torch.float32,))
-        args.shape(name, t, (num_seqs, num_heads, num_partitions))
-    args.tensor("tmp_out", tmp_out, dtypes=(query.dtype,))
-    args.shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
+                              blocksparse_vert_stride)
+    check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
     for s, seq_len in enumerate(lens):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
         q = query[s].float()
