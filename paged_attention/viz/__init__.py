@@ -4,11 +4,18 @@ Every function takes an optional ``ax`` (a new figure is made when it is None), 
 Axes it drew on, never calls ``plt.show()`` and draws the same picture for the same input.
 The palette lives in :mod:`paged_attention.viz.style`.
 """
+from paged_attention.viz.kernels import (
+    ThreadMapping, draw_decode_times, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
+    v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
+)
 from paged_attention.viz.memory import draw_waste_breakdown
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
-from paged_attention.viz.style import CATEGORY_COLORS, SEQ_COLORS, seq_color
+from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
 
 __all__ = [
     "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
-    "CATEGORY_COLORS", "SEQ_COLORS", "seq_color",
+    "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
+    "v0_key_offset", "v0_value_offset", "ThreadMapping", "v1_thread_mapping", "v2_partitions",
+    "v2_merge_weights",
+    "CATEGORY_COLORS", "IMPL_COLORS", "SEQ_COLORS", "seq_color",
 ]

@@ -23,6 +23,16 @@ CATEGORY_NAMES: dict[str, str] = {
 
 # One colour per sequence, reused in order when there are more sequences than colours.
 SEQ_COLORS: tuple[str, ...] = ("#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#FF9DA6")
+# One colour per kernel implementation in timing plots; other names take SEQ_COLORS in order.
+IMPL_COLORS: dict[str, str] = {
+    "CUDA v1": "#E45756",            # red
+    "CUDA v2": "#F58518",            # orange
+    "Triton": "#4C78A8",             # blue
+    "SDPA (contiguous)": "#54A24B",  # green: no paging at all, the yardstick
+}
+# The lanes of one thread group in the kernel drawings (apart from the first four SEQ_COLORS,
+# which colour the warps next to them).
+LANE_COLORS: tuple[str, ...] = ("#72B7B2", "#FF9DA6", "#EECA3B", "#9D755D")
 EDGE_COLOR = "#444444"   # box outlines
 MUTED_COLOR = "#999999"  # free blocks, secondary labels
 PAPER_COLOR = "#222222"  # the paper's numbers, drawn over our own
@@ -31,6 +41,11 @@ PAPER_COLOR = "#222222"  # the paper's numbers, drawn over our own
 def seq_color(index: int) -> str:
     """The colour of sequence ``index``."""
     return SEQ_COLORS[index % len(SEQ_COLORS)]
+
+
+def impl_color(name: str, index: int) -> str:
+    """The colour of kernel implementation ``name``, the ``index``-th line of its plot."""
+    return IMPL_COLORS.get(name, seq_color(index))
 
 
 def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:

@@ -1,0 +1,63 @@
+"""Exercises of ``06_paged_attention_kernels.ipynb``."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from paged_attention.exercises import report
+from paged_attention.viz.kernels import v0_key_offset, v1_thread_mapping, v2_merge_weights, v2_partitions
+
+
+def key_offset(answer: int, d: int = 13, t: int = 6, block_size: int = 16, x: int = 8) -> bool:
+    """Exercise 1: the offset of key element ``d`` of token ``t`` in one head's slice of a v0 block."""
+    expected = v0_key_offset(d, t, block_size, x)
+    return report(
+        answer == expected,
+        f"element {d} of token {t} is in chunk {d // x}, at place {d % x}: offset "
+        f"({d // x} * {block_size} + {t}) * {x} + {d % x} = {expected}",
+        "the slice is [head_size / x, block_size, x]: skip whole chunk rows (d // x of them, each "
+        "block_size * x long), then whole tokens of this row (t of them, x each), then d % x",
+    )
+
+
+def partition_tokens(num_partitions: int, start: int, stop: int, seq_len: int = 1400, p: int = 2,
+                     partition_size: int = 512) -> bool:
+    """Exercise 2: how many v2 partitions a sequence needs, and tokens ``[start, stop)`` of partition ``p``."""
+    parts = v2_partitions(seq_len, partition_size)
+    tokens = parts[p] if 0 <= p < len(parts) else range(0)
+    return report(
+        (num_partitions, start, stop) == (len(parts), tokens.start, tokens.stop),
+        f"{seq_len} tokens make {len(parts)} partitions of {partition_size}; partition {p} holds "
+        f"tokens {tokens.start} to {tokens.stop - 1}",
+        "there are ceil(seq_len / partition_size) partitions; partition p starts at "
+        "p * partition_size and stops there plus partition_size, or at seq_len, whichever is first",
+    )
+
+
+def thread_group(thread_group_size: int, vec_size: int, block_size: int = 8, dtype_bytes: int = 2,
+                 head_size: int = 128) -> bool:
+    """Exercise 3: v1's THREAD_GROUP_SIZE and VEC_SIZE for a block size and cache element size."""
+    m = v1_thread_mapping(block_size, head_size, dtype_bytes)
+    return report(
+        (thread_group_size, vec_size) == (m.thread_group_size, m.vec_size),
+        f"block_size {block_size}: {m.thread_group_size} lanes per token; x = {m.x}, so each lane "
+        f"loads {m.vec_size} elements ({m.vec_size * dtype_bytes} bytes) of every chunk",
+        "a warp's 32 lanes share out the block's tokens (32 // block_size lanes each), and the "
+        "lanes of a group share out each 16-byte chunk of x = 16 // dtype_bytes elements",
+    )
+
+
+def merge_weights(answer: Sequence[float], max_logits: Sequence[float] = (3.0, 5.0, 4.0),
+                  exp_sums: Sequence[float] = (20.0, 8.0, 12.0)) -> bool:
+    """Exercise 4: v2's merge weights ``w_p`` for the given ``m_p`` (max_logits) and ``s_p`` (exp_sums)."""
+    expected = v2_merge_weights(max_logits, exp_sums)
+    answer = list(answer)
+    correct = len(answer) == len(expected) and all(
+        math.isclose(a, e, rel_tol=1e-4, abs_tol=1e-9) for a, e in zip(answer, expected))
+    return report(
+        correct,
+        "w = [" + ", ".join(f"{w:.4g}" for w in expected) + "]: each exp-sum rescaled to the "
+        f"largest maximum, M = {max(max_logits):g}",
+        "w_p = s_p * exp(m_p - M) with M the largest m_p: the partition holding M keeps its s_p, "
+        "the others shrink",
+    )

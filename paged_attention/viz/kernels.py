@@ -1,0 +1,457 @@
+"""Drawing vLLM's classic CUDA paged-attention kernels: cache layout, threads, partitions, timings.
+
+vLLM's first attention kernels (``paged_attention_v1`` and ``_v2``, spec §5.6) read a cache laid
+out for them:
+
+* key cache ``[num_blocks, num_kv_heads, head_size / x, block_size, x]`` with ``x = 16 bytes /
+  element size``: a key is cut into ``x``-element chunks of 16 bytes, and chunk ``c`` of every
+  token of a block is stored side by side;
+* value cache ``[num_blocks, num_kv_heads, head_size, block_size]``: tokens innermost.
+
+v1 runs one CUDA block of 128 threads (4 warps) per (head, sequence); v2 adds a third grid
+dimension, 512-token *partitions* of the context, and a second kernel that merges them.
+
+The small functions of section 1 hold the arithmetic (where an element lives, which lane loads
+what, which tokens a partition covers); the drawings and the exercise checkers use them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any, Sequence
+
+from matplotlib.patches import Rectangle
+
+from paged_attention.utils import cdiv
+from paged_attention.viz.style import (
+    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, impl_color, new_axes, seq_color,
+)
+
+WARP_SIZE = 32
+CHUNK_BYTES = 16              # one vectorised load: the key cache's x-chunk is this many bytes
+V1_BLOCK_SIZES = (8, 16, 32)  # the block sizes vLLM compiles its v0 kernels for (spec §5.6)
+
+# --------------------------------------------------------------------------------------------
+# 1. The arithmetic the drawings show
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: Any) -> int:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def v0_key_offset(d: int, t: int, block_size: int, x: int) -> int:
+    """Where element ``d`` of token ``t``'s key sits in one head's slice of a v0 key-cache block.
+
+    The slice is ``[head_size / x, block_size, x]`` in memory order: chunk ``d // x`` first, then
+    the token, then the place ``d % x`` inside the chunk.
+
+    >>> v0_key_offset(d=5, t=2, block_size=4, x=4)   # chunk 1, token 2, place 1
+    25
+    """
+    return ((d // x) * block_size + t) * x + d % x
+
+
+def v0_value_offset(d: int, t: int, block_size: int) -> int:
+    """Where element ``d`` of token ``t``'s value sits in one head's ``[head_size, block_size]`` slice."""
+    return d * block_size + t
+
+
+@dataclass(frozen=True)
+class ThreadMapping:
+    """How v1 spreads the keys of one KV block over the lanes of one warp (spec §5.6).
+
+    A *thread group* of ``thread_group_size`` lanes owns one token of the block; lane ``l`` of a
+    group loads elements ``[l * vec_size, (l + 1) * vec_size)`` of every ``x``-chunk of that
+    token's key, ``vecs_per_lane`` loads in all, and the group adds up its partial dot products
+    with warp shuffles.
+    """
+
+    block_size: int
+    head_size: int
+    dtype_bytes: int
+    num_warps: int
+    x: int                  # elements per 16-byte chunk of the key cache
+    thread_group_size: int  # lanes per token
+    vec_size: int           # elements one lane loads at a time
+    groups_per_warp: int    # tokens a warp works on at once
+    vecs_per_lane: int      # loads per lane to cover a whole key
+
+    @property
+    def num_threads(self) -> int:
+        return WARP_SIZE * self.num_warps
+
+    def lane_elements(self, lane: int, chunk: int) -> tuple[int, list[int]]:
+        """``(token, dims)``: the token of the block and the key dims ``lane`` loads from ``chunk``."""
+        group, place = divmod(lane, self.thread_group_size)
+        start = chunk * self.x + place * self.vec_size
+        return group, list(range(start, start + self.vec_size))
+
+
+def v1_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes: int = 2,
+                      num_warps: int = 4) -> ThreadMapping:
+    """The numbers of :class:`ThreadMapping` for a block size, head size and cache element size."""
+    if block_size not in V1_BLOCK_SIZES or not _is_int(block_size):
+        raise ValueError(f"block_size must be one of {V1_BLOCK_SIZES} (vLLM's compiled sizes), "
+                         f"got {block_size!r}")
+    if dtype_bytes not in (1, 2, 4) or not _is_int(dtype_bytes):
+        raise ValueError(f"dtype_bytes must be 1 (fp8), 2 (fp16/bf16) or 4 (fp32), got {dtype_bytes!r}")
+    head_size = _positive("head_size", head_size)
+    num_warps = _positive("num_warps", num_warps)
+    x = CHUNK_BYTES // dtype_bytes
+    if head_size % x:
+        raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x} for "
+                         f"{dtype_bytes}-byte elements")
+    group = max(WARP_SIZE // block_size, 1)
+    vec = max(x // group, 1)
+    return ThreadMapping(block_size=block_size, head_size=head_size, dtype_bytes=dtype_bytes,
+                         num_warps=num_warps, x=x, thread_group_size=group, vec_size=vec,
+                         groups_per_warp=WARP_SIZE // group, vecs_per_lane=head_size // (group * vec))
+
+
+def v2_partitions(seq_len: int, partition_size: int = 512) -> list[range]:
+    """The token ranges of a sequence's v2 partitions; the last one may be shorter.
+
+    >>> v2_partitions(1400)
+    [range(0, 512), range(512, 1024), range(1024, 1400)]
+    """
+    seq_len = _positive("seq_len", seq_len)
+    partition_size = _positive("partition_size", partition_size)
+    return [range(lo, min(lo + partition_size, seq_len)) for lo in range(0, seq_len, partition_size)]
+
+
+def v2_merge_weights(max_logits: Sequence[float], exp_sums: Sequence[float]) -> list[float]:
+    """Each partition's weight in v2's reduction: ``w_p = s_p * exp(m_p - M)``, ``M = max_p m_p``.
+
+    ``s_p`` sums ``exp(logit - m_p)`` over partition ``p``; multiplying by ``exp(m_p - M)`` puts
+    every partition's sum on the same scale, the global maximum's.
+    """
+    if len(max_logits) != len(exp_sums) or not len(max_logits):
+        raise ValueError("max_logits and exp_sums must be non-empty and of the same length, got "
+                         f"{len(max_logits)} and {len(exp_sums)}")
+    top = max(max_logits)
+    return [s * math.exp(m - top) for m, s in zip(max_logits, exp_sums)]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. The v0 cache layout
+# --------------------------------------------------------------------------------------------
+
+_MAX_CELLS = 512  # beyond this many elements per cache the labels cannot be read
+
+
+def _cell(ax: Any, x: float, y: float, color: str, label: str, gid: str, alpha: float = 0.45,
+          width: float = 1.0, fontsize: float = 7) -> None:
+    """One element: a box of its token's colour, its dim index written inside."""
+    ax.add_patch(Rectangle((x, y), width, 1, facecolor=color, alpha=alpha, edgecolor=EDGE_COLOR,
+                           lw=0.4, gid=gid))
+    ax.text(x + width / 2, y + 0.5, label, ha="center", va="center", fontsize=fontsize, gid=gid)
+
+
+def _heading(ax: Any, y: float, text: str) -> None:
+    ax.text(0, y, text, ha="left", va="bottom", fontsize=9, fontweight="bold")
+
+
+def draw_v0_key_layout(head_size: int = 16, block_size: int = 4, x: int = 4, ax: Any = None) -> Any:
+    """One KV head's keys and values of one block: logically, then in v0 key/value-cache memory order.
+
+    Every element is a cell coloured by its token and labelled with its dim index. Top: the
+    logical ``[block_size, head_size]`` keys, x-chunks marked. Middle: the key cache's memory
+    order ``[head_size / x, block_size, x]``, one row per chunk ``c``: chunk ``c`` of every token
+    of the block sits side by side, so a warp whose thread groups each read one token's chunk
+    ``c`` reads one contiguous span (a coalesced load). Bottom: the value cache's memory order
+    ``[head_size, block_size]``, tokens innermost. Both strips wrap every ``block_size * x``
+    elements; the number left of a row is the memory offset of its first element.
+    """
+    head_size = _positive("head_size", head_size)
+    block_size = _positive("block_size", block_size)
+    x = _positive("x", x)
+    if head_size % x:
+        raise ValueError(f"head_size ({head_size}) must be a multiple of x ({x})")
+    if head_size * block_size > _MAX_CELLS:
+        raise ValueError(f"head_size * block_size = {head_size * block_size} elements is too many "
+                         f"to label (at most {_MAX_CELLS}); draw a smaller example")
+    chunks, row = head_size // x, block_size * x
+    width = max(head_size, row)
+    # Heights, top to bottom: heading, logical grid, heading, key strip, heading, value strip.
+    gap = 2.2
+    y_logical = -gap - block_size
+    y_key = y_logical - gap - chunks
+    value_rows = cdiv(head_size * block_size, row)
+    y_value = y_key - gap - value_rows
+    ax = new_axes(ax, figsize=(1.8 + 0.34 * width, 0.5 + 0.3 * (-y_value + 1)))
+
+    # Logical view: token t is row t, dim d is column d.
+    _heading(ax, y_logical + block_size + 0.9,
+             f"logical keys [block_size={block_size} tokens × head_size={head_size} dims], "
+             f"in chunks of x={x}")
+    for t in range(block_size):
+        y = y_logical + block_size - 1 - t
+        ax.text(-0.3, y + 0.5, f"token {t}", ha="right", va="center", fontsize=7, color=seq_color(t))
+        for d in range(head_size):
+            _cell(ax, d, y, seq_color(t), str(d), gid="logical")
+    for c in range(chunks):
+        ax.add_patch(Rectangle((c * x, y_logical), x, block_size, facecolor="none",
+                               edgecolor=EDGE_COLOR, lw=1.6))
+        ax.text(c * x + x / 2, y_logical + block_size + 0.1, f"chunk {c}", ha="center",
+                va="bottom", fontsize=7)
+
+    # Key cache: memory offset i = (c * block_size + t) * x + j holds dim c * x + j of token t.
+    _heading(ax, y_key + chunks + 0.9,
+             f"key cache in memory [head_size/x={chunks}, block_size={block_size}, x={x}]: "
+             f"chunk c of all {block_size} tokens is one contiguous run")
+    for c in range(chunks):
+        y = y_key + chunks - 1 - c
+        ax.text(-0.3, y + 0.5, f"+{c * row}", ha="right", va="center", fontsize=7, color=MUTED_COLOR)
+        for t in range(block_size):
+            for j in range(x):
+                _cell(ax, t * x + j, y, seq_color(t), str(c * x + j), gid="key")
+            ax.add_patch(Rectangle((t * x, y), x, 1, facecolor="none", edgecolor=EDGE_COLOR, lw=1.6))
+        ax.text(row + 0.3, y + 0.5, f"chunk {c}: dims {c * x}–{c * x + x - 1} of tokens "
+                f"0–{block_size - 1}", ha="left", va="center", fontsize=7)
+
+    # Value cache: memory offset i = d * block_size + t.
+    _heading(ax, y_value + value_rows + 0.9,
+             f"value cache in memory [head_size={head_size}, block_size={block_size}]: "
+             "tokens innermost")
+    for r in range(value_rows):
+        y = y_value + value_rows - 1 - r
+        ax.text(-0.3, y + 0.5, f"+{r * row}", ha="right", va="center", fontsize=7, color=MUTED_COLOR)
+        for i in range(r * row, min((r + 1) * row, head_size * block_size)):
+            d, t = divmod(i, block_size)
+            _cell(ax, i - r * row, y, seq_color(t), str(d), gid="value")
+
+    ax.set_xlim(-3.2, max(width + 0.5, row + 11.5))  # room for the chunk labels right of the key rows
+    ax.set_ylim(y_value - 0.5, 1.0)
+    ax.axis("off")
+    ax.set_title("vLLM v0 KV-cache layout of one block (numbers in cells: dim index; colour: token)",
+                 fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 3. v1: threads, warps and blocks
+# --------------------------------------------------------------------------------------------
+
+def draw_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes: int = 2,
+                        num_warps: int = 4, ax: Any = None) -> Any:
+    """How paged_attention_v1 maps one (head, sequence) onto one CUDA block's threads.
+
+    Top: the sequence's KV blocks in table order, coloured by the warp that takes them (warp
+    ``w`` takes blocks ``w, w + num_warps, ...``). Middle: one warp on one KV block, its 32
+    lanes cut into thread groups of ``THREAD_GROUP_SIZE`` lanes, one group per token. Bottom: one
+    token's key, its x-chunks cut into ``VEC_SIZE``-element slices, coloured by the lane of the
+    group that loads them. The numbers are listed on the right.
+    """
+    m = v1_thread_mapping(block_size, head_size, dtype_bytes, num_warps)
+    tg = m.thread_group_size
+    lane_colors = LANE_COLORS[:tg]
+    ax = new_axes(ax, figsize=(13.0, 5.2))
+
+    def highlight(x: float, y: float, w: float, h: float) -> None:
+        """The thick outline that marks what the next row zooms into."""
+        ax.add_patch(Rectangle((x - 0.08, y - 0.08), w + 0.16, h + 0.16, facecolor="none",
+                               edgecolor="black", lw=2.2))
+
+    # Top: the sequence's KV blocks, round-robin over the warps.
+    shown = 2 * m.num_warps + 1
+    box, pitch, y_top = 3.0, 3.5, 7.6
+    ax.text(0, y_top + 1.35, f"one CUDA block = {m.num_threads} threads = {m.num_warps} warps per "
+            "(head, sequence[, partition]); warp w takes KV blocks w, w + "
+            f"{m.num_warps}, ...", fontsize=9, fontweight="bold", va="bottom")
+    for j in range(shown):
+        w = j % m.num_warps
+        ax.add_patch(Rectangle((j * pitch, y_top), box, 1.1, facecolor=seq_color(w), alpha=0.5,
+                               edgecolor=EDGE_COLOR, lw=0.8, gid="kv_block"))
+        ax.text(j * pitch + box / 2, y_top + 0.55, f"block {j}\nwarp {w}", ha="center",
+                va="center", fontsize=7, gid="kv_block")
+    ax.text(shown * pitch, y_top + 0.55, "…", fontsize=12, va="center")
+    highlight(0, y_top, box, 1.1)
+
+    # Middle: warp 0's lanes on block 0, in thread groups.
+    y_mid = 4.2
+    ax.text(0, y_mid + 1.35, f"warp 0 on block 0: {WARP_SIZE} lanes, {m.groups_per_warp} thread "
+            f"groups of {tg}; group g owns token g of the block", fontsize=9, fontweight="bold",
+            va="bottom")
+    for lane in range(WARP_SIZE):
+        ax.add_patch(Rectangle((lane, y_mid), 1, 0.9, facecolor=lane_colors[lane % tg],
+                               alpha=0.6, edgecolor=EDGE_COLOR, lw=0.4, gid="lane"))
+        ax.text(lane + 0.5, y_mid + 0.45, str(lane), ha="center", va="center", fontsize=6)
+    for g in range(m.groups_per_warp):
+        ax.add_patch(Rectangle((g * tg, y_mid), tg, 0.9, facecolor="none", edgecolor=EDGE_COLOR,
+                               lw=1.5, gid="thread_group"))
+        ax.text(g * tg + tg / 2, y_mid - 0.1, f"t{g}", ha="center", va="top", fontsize=6,
+                color=MUTED_COLOR, gid="thread_group")
+    highlight(0, y_mid, tg, 0.9)
+
+    # Bottom: token 0's key, chunk by chunk, slice by slice.
+    y_low, chunks = 0.6, head_size // m.x
+    chunk_w = WARP_SIZE / chunks
+    slice_w = chunk_w / tg
+    ax.text(0, y_low + 1.35, f"token 0's key: {chunks} chunks of x={m.x}; lane l of its group "
+            f"loads elements [{m.vec_size}·l, {m.vec_size}·(l+1)) of every chunk",
+            fontsize=9, fontweight="bold", va="bottom")
+    for c in range(chunks):
+        for place in range(tg):
+            ax.add_patch(Rectangle((c * chunk_w + place * slice_w, y_low), slice_w, 0.9,
+                                   facecolor=lane_colors[place], alpha=0.6, edgecolor=EDGE_COLOR,
+                                   lw=0.3, gid="slice"))
+            if slice_w >= 0.9:
+                ax.text(c * chunk_w + (place + 0.5) * slice_w, y_low + 0.45, f"L{place}",
+                        ha="center", va="center", fontsize=5.5)
+        ax.add_patch(Rectangle((c * chunk_w, y_low), chunk_w, 0.9, facecolor="none",
+                               edgecolor=EDGE_COLOR, lw=1.3))
+        if chunk_w >= 0.9:
+            ax.text(c * chunk_w + chunk_w / 2, y_low - 0.1, f"c{c}", ha="center", va="top",
+                    fontsize=6, color=MUTED_COLOR)
+
+    # The numbers.
+    lines = [
+        f"x = 16 B / {dtype_bytes} B = {m.x}",
+        f"THREAD_GROUP_SIZE = max(32 // {block_size}, 1) = {tg}",
+        f"VEC_SIZE = x // THREAD_GROUP_SIZE = {m.vec_size}",
+        f"loads per lane per key = {m.vecs_per_lane}",
+        f"tokens per warp at once = {m.groups_per_warp}",
+        f"one warp-wide load = chunk c of {m.groups_per_warp} tokens",
+        f"  = {m.groups_per_warp * CHUNK_BYTES} contiguous bytes",
+        f"q·k: {tg} partial sums per token,",
+        "  added with warp shuffles" if tg > 1 else "  none to add (one lane per token)",
+    ]
+    for i, line in enumerate(lines):
+        ax.text(WARP_SIZE + 2.0, y_top + 0.9 - i * 0.85, line, fontsize=8, va="center",
+                family="monospace", gid="numbers")
+
+    ax.set_xlim(-0.5, WARP_SIZE + 16.5)
+    ax.set_ylim(-0.4, y_top + 2.2)
+    ax.axis("off")
+    ax.set_title(f"paged_attention_v1: block_size={block_size}, head_size={head_size}, "
+                 f"{dtype_bytes}-byte elements", fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 4. v2: partitions and their merge
+# --------------------------------------------------------------------------------------------
+
+def draw_v2_partitions(seq_len: int = 1400, partition_size: int = 512, block_size: int = 16,
+                       ax: Any = None) -> Any:
+    """A sequence cut into v2's partitions, each reduced to ``(m_p, s_p, o_p)``, then merged.
+
+    Each partition is a bar over its tokens with the KV-block boundaries ticked; the unused
+    rest of the last partition is drawn empty. Under each, the CUDA block ``(h, s, p)`` that
+    computes its maximum logit ``m_p``, exp-sum ``s_p`` and locally normalised output ``o_p``;
+    at the bottom, the reduce kernel's formula.
+    """
+    seq_len = _positive("seq_len", seq_len)
+    partition_size = _positive("partition_size", partition_size)
+    block_size = _positive("block_size", block_size)
+    if partition_size % block_size:
+        raise ValueError(f"partition_size ({partition_size}) must be a multiple of block_size "
+                         f"({block_size}): a partition is a whole number of KV blocks")
+    parts = v2_partitions(seq_len, partition_size)
+    if len(parts) > 12:
+        raise ValueError(f"{len(parts)} partitions are too many to draw (at most 12); "
+                         "use a shorter seq_len or a larger partition_size")
+    span = 6.0                           # drawing units per partition
+    unit = span / partition_size         # per token
+    gap = 0.6
+    ax = new_axes(ax, figsize=(max(7.0, 1.2 + 2.9 * len(parts)), 4.2))
+
+    y_bar, y_box, y_reduce = 3.0, 1.1, -1.3
+    centres = []
+    for p, tokens in enumerate(parts):
+        x0 = p * (span + gap)
+        filled = len(tokens) * unit
+        centres.append(x0 + span / 2)
+        ax.add_patch(Rectangle((x0, y_bar), filled, 0.8, facecolor=seq_color(p), alpha=0.55,
+                               edgecolor="none", gid="partition"))
+        if len(tokens) < partition_size:
+            ax.add_patch(Rectangle((x0 + filled, y_bar), span - filled, 0.8, facecolor="none",
+                                   edgecolor=MUTED_COLOR, hatch="///", lw=0.5))
+        ax.add_patch(Rectangle((x0, y_bar), span, 0.8, facecolor="none", edgecolor=EDGE_COLOR, lw=1.0))
+        if partition_size // block_size <= 64:  # KV-block boundaries, while they can be told apart
+            for b in range(1, cdiv(len(tokens), block_size)):
+                xb = x0 + b * block_size * unit
+                ax.plot([xb, xb], [y_bar, y_bar + 0.8], color=EDGE_COLOR, lw=0.3, alpha=0.6)
+        blocks = cdiv(len(tokens), block_size)
+        ax.text(x0 + span / 2, y_bar + 0.95, f"partition {p}\ntokens {tokens.start}–{tokens.stop - 1} "
+                f"({blocks} blocks)", ha="center", va="bottom", fontsize=8, gid="partition_label")
+        ax.add_patch(Rectangle((x0 + 0.4, y_box), span - 0.8, 1.1, facecolor="white",
+                               edgecolor=seq_color(p), lw=1.4))
+        ax.text(x0 + span / 2, y_box + 0.55, f"CUDA block (h, s, {p})\nm_{p}, s_{p}, o_{p}",
+                ha="center", va="center", fontsize=8)
+        ax.annotate("", xy=(x0 + span / 2, y_box + 1.1), xytext=(x0 + span / 2, y_bar),
+                    arrowprops=dict(arrowstyle="-|>", color=seq_color(p), lw=1.0))
+
+    total = len(parts) * span + (len(parts) - 1) * gap
+    if len(parts) > 1:
+        formula = ("reduce kernel, CUDA block (h, s):  M = max_p m_p,   w_p = s_p · exp(m_p − M),\n"
+                   "out = Σ_p w_p · o_p / (Σ_p w_p + 1e-6)")
+    else:
+        formula = "one partition: the reduce kernel copies o_0 to out"
+    ax.text(total / 2, y_reduce, formula, ha="center", va="center", fontsize=9,
+            bbox=dict(boxstyle="round,pad=0.4", facecolor="#F4F4F4", edgecolor=EDGE_COLOR))
+    for c in centres:
+        ax.annotate("", xy=(total / 2, y_reduce + 0.55), xytext=(c, y_box),
+                    arrowprops=dict(arrowstyle="-|>", color=MUTED_COLOR, lw=0.9))
+
+    ax.set_xlim(-0.3, total + 0.3)
+    ax.set_ylim(y_reduce - 0.9, y_bar + 2.1)
+    ax.axis("off")
+    ax.set_title(f"paged_attention_v2: {seq_len} tokens in {len(parts)} partitions of "
+                 f"{partition_size} (block_size={block_size})", fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Timings
+# --------------------------------------------------------------------------------------------
+
+def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[float | None]],
+                      ax: Any = None, title: str | None = None) -> Any:
+    """Decode time (µs) against context length, one line per implementation.
+
+    ``times_us`` maps an implementation's name (e.g. ``"CUDA v1"``, ``"Triton"``) to one time
+    per context; ``None`` or NaN leaves a gap (a kernel that cannot run that context). Both
+    axes are logarithmic: the x axis in powers of two, the y axis because times span decades.
+    """
+    if hasattr(contexts, "tolist"):
+        contexts = contexts.tolist()
+    contexts = list(contexts)
+    if not contexts or not all(_is_int(c) and c > 0 for c in contexts):
+        raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
+    if not isinstance(times_us, dict) or not times_us:
+        raise ValueError("times_us must be a non-empty dict of implementation name -> times")
+    series = {}
+    for name, times in times_us.items():
+        times = list(times)
+        if len(times) != len(contexts):
+            raise ValueError(f"times_us[{name!r}] has {len(times)} times for {len(contexts)} contexts")
+        for t in times:
+            if t is not None and (isinstance(t, bool) or not isinstance(t, Real)
+                                  or not (t > 0 or math.isnan(t))):
+                raise ValueError(f"times_us[{name!r}] must hold positive times (or None), got {t!r}")
+        series[name] = [math.nan if t is None else float(t) for t in times]
+
+    ax = new_axes(ax, figsize=(7.0, 4.0))
+    for i, (name, times) in enumerate(series.items()):
+        ax.plot(contexts, times, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode time (µs, log scale)")
+    ax.grid(True, which="major", alpha=0.3)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title if title is not None else "Decode attention time against context length",
+                 fontsize=10)
+    return ax
