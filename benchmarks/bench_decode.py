@@ -1,8 +1,9 @@
 """Decode-attention bandwidth of the Triton kernel, as a fraction of a device-to-device copy.
 
-Usage (GPU machine):  python benchmarks/bench_decode.py [--sweep]
+Usage (GPU machine):  python benchmarks/bench_decode.py [--sweep | --cuda]
 Prints one row per (batch, context) of issue 2's targets, with a shuffled and an identity block
-table. ``--sweep`` tries launch shapes and split counts instead (for tuning the defaults).
+table. ``--sweep`` tries launch shapes and split counts instead (for tuning the defaults);
+``--cuda`` times our CUDA paged_attention_v1/v2 next to the Triton kernel (issue 3's table).
 """
 import argparse
 import sys
@@ -15,6 +16,7 @@ import paged_attention  # noqa: F401  (device policy first)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune launch shapes and split counts")
+    parser.add_argument("--cuda", action="store_true", help="CUDA v1/v2 against Triton (v0 layout)")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs an NVIDIA GPU (on a CPU the Triton interpreter says nothing about speed)")
@@ -22,6 +24,8 @@ def main() -> int:
     from paged_attention import bench
     if opts.sweep:
         bench.sweep()
+    elif opts.cuda:
+        bench.cuda_attention_table()
     else:
         bench.decode_table()
     return 0

@@ -8,6 +8,7 @@ all. GPU only; ``benchmarks/bench_decode.py`` is the command-line entry.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,17 +24,40 @@ DECODE_SHAPES = ((64, 512), (64, 4096), (64, 16384), (4, 32768), (1, 131072))
 MODEL = dict(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16)
 
 
-def time_ms(fn: Callable[[], object], rep: int = 200) -> float:
-    """Median milliseconds of ``fn`` on the GPU, with the L2 cache flushed before every run."""
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=min(25, rep), rep=rep, return_mode="median")
+def time_ms(fn: Callable[[], object], rep: int = 200, flush: str = "write") -> float:
+    """Median milliseconds of ``fn`` on the GPU, with the L2 cache flushed before every run.
+
+    The flush streams a 256 MB buffer through L2 so that ``fn`` reads its data from memory:
+    ``flush="write"`` zeroes it (what ``triton.testing.do_bench`` does), ``"read"`` only reads
+    it. A write flush leaves L2 full of dirty lines which the timed kernel must write back as it
+    evicts them: up to an L2's worth (tens of MB) of extra traffic, a visible share of a kernel
+    that reads ~100 MB. A read flush leaves clean lines, closer to a kernel that runs after
+    others in a forward pass. Both are reported where it matters.
+    """
+    if flush not in ("write", "read"):
+        raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
+    buffer = torch.empty(256 << 20 >> 2, dtype=torch.float32, device="cuda")
+    for _ in range(min(25, rep)):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for start, end in zip(starts, ends):
+        if flush == "write":
+            buffer.zero_()
+        else:
+            buffer.sum()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+def copy_bandwidth(nbytes: int = 1 << 30, flush: str = "write") -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
+    ms = time_ms(lambda: dst.copy_(src), flush=flush)
     del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
@@ -53,7 +77,8 @@ class DecodeTiming:
 
 
 def time_decode(p: DecodeProblem, context: int, *, num_splits: int | None = None,
-                launch: tuple[int, int, int] | None = None, rep: int = 200) -> DecodeTiming:
+                launch: tuple[int, int, int] | None = None, rep: int = 200,
+                flush: str = "write") -> DecodeTiming:
     """Time the Triton decode kernel on a prepared problem (index checks off: the tables are ours)."""
     out = torch.empty_like(p.query)
     batch = p.query.size(0)
@@ -62,13 +87,20 @@ def time_decode(p: DecodeProblem, context: int, *, num_splits: int | None = None
     def run():
         paged_attention_decode(out, *p.decode_args(), num_splits=splits, max_seq_len=context,
                                check_ids=False, launch=launch)
-    # Served decode steps are replayed from CUDA graphs; so is the timed call here, which keeps
-    # Python's launch overhead (and the gap it can leave before the kernel) out of the figure.
-    run()                                   # compile outside the capture
+    return DecodeTiming(batch, context, splits, graph_time_ms(run, rep, flush), p.kv_bytes_read)
+
+
+def graph_time_ms(run: Callable[[], object], rep: int = 200, flush: str = "write") -> float:
+    """Time ``run`` replayed from a CUDA graph, as served decode steps are.
+
+    The graph keeps Python's launch overhead (and the gap it can leave before the kernel) out of
+    the figure. ``run`` is called once outside the capture first, to compile what needs it.
+    """
+    run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    return DecodeTiming(batch, context, splits, time_ms(graph.replay, rep), p.kv_bytes_read)
+    return time_ms(graph.replay, rep, flush)
 
 
 def warm_up(seconds: float = 1.0) -> None:
@@ -82,13 +114,18 @@ def warm_up(seconds: float = 1.0) -> None:
 
 
 def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print) -> list[dict]:
-    """Time every shape with a shuffled block table (and an identity one); print and return rows."""
+    """Time every shape with a shuffled block table (and an identity one); print and return rows.
+
+    ``fraction`` uses the write flush of ``time_ms`` (as ``do_bench``); ``fraction_read`` times
+    the same kernel and the copy again with the read flush.
+    """
     warm_up()
     copy_bw = copy_bandwidth()
+    copy_bw_read = copy_bandwidth(flush="read")
     print_fn(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
     print_fn("model: 32 query heads / 8 KV heads, head size 128, block size 16, bf16; "
-             "timed as CUDA-graph replays, L2 flushed before each")
-    header = f"{'batch':>5} {'context':>7} {'splits':>6} {'time us':>9} {'KV TB/s':>8} {'fraction':>8}"
+             "timed as CUDA-graph replays, L2 flushed before each (by writing; 'read flush': by reading)")
+    header = f"{'batch':>5} {'context':>7} {'splits':>6} {'time us':>9} {'KV TB/s':>8} {'fraction':>8} {'read flush':>10}"
     if identity:
         header += f" {'identity us':>11} {'shuffled/identity':>17}"
     print_fn(header)
@@ -97,14 +134,15 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
         row = {"batch": batch, "context": context}
         for shuffle in ((True, False) if identity else (True,)):
             p = make_decode_problem([context] * batch, device="cuda", shuffle=shuffle, **MODEL)
-            t = time_decode(p, context)
+            row["shuffled" if shuffle else "identity"] = time_decode(p, context)
+            if shuffle:
+                row["shuffled_read"] = time_decode(p, context, flush="read")
             del p
-            key = "shuffled" if shuffle else "identity"
-            row[key] = t
         t = row["shuffled"]
         row["fraction"] = t.bandwidth / copy_bw
+        row["fraction_read"] = row["shuffled_read"].bandwidth / copy_bw_read
         line = (f"{batch:>5} {context:>7} {t.num_splits:>6} {t.ms * 1e3:>9.1f} {t.bandwidth / 1e12:>8.2f} "
-                f"{row['fraction']:>8.2f}")
+                f"{row['fraction']:>8.2f} {row['fraction_read']:>10.2f}")
         if identity:
             row["slowdown"] = t.ms / row["identity"].ms
             line += f" {row['identity'].ms * 1e3:>11.1f} {row['slowdown']:>17.3f}"
@@ -142,3 +180,88 @@ def sweep(shapes=DECODE_SHAPES, print_fn=print) -> None:
             print_fn(f"  default: {default[0][0]:.3f}")
         del p
         torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# The CUDA v1/v2 kernels (issue 3), the Triton kernel and a contiguous SDPA floor side by side
+# --------------------------------------------------------------------------------------------
+
+CUDA_SHAPES = ((64, 512), (64, 4096), (64, 16384), (4, 32768))
+
+
+def _v0_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], object]]:
+    """Callables running one decode step of ``p`` with each kernel (index checks off)."""
+    from paged_attention.kernels import cuda as ck
+    from paged_attention.kernels.reference import PARTITION_SIZE, flash_to_v0
+    from paged_attention.utils import cdiv
+    key_v0, value_v0 = flash_to_v0(p.key_cache, p.value_cache)
+    num_seqs, num_heads, head_size = p.query.shape
+    num_kv_heads, block_size = p.key_cache.size(2), p.key_cache.size(1)
+    one = torch.ones(1, device="cuda")
+    out = torch.empty_like(p.query)
+    parts = cdiv(context, PARTITION_SIZE)
+    exp_sums = torch.empty(num_seqs, num_heads, parts, device="cuda")
+    max_logits = torch.empty_like(exp_sums)
+    tmp_out = torch.empty(num_seqs, num_heads, parts, head_size, dtype=p.query.dtype, device="cuda")
+    common = (num_kv_heads, p.scale, p.block_tables, p.seq_lens, block_size, context, None, "auto", one, one)
+    runners = {
+        "CUDA v2": lambda: ck.paged_attention_v2(out, exp_sums, max_logits, tmp_out, p.query, key_v0, value_v0,
+                                                 *common, check_ids=False),
+        "Triton": lambda: paged_attention_decode(out, *p.decode_args(), max_seq_len=context, check_ids=False),
+    }
+    if context <= ck.v1_max_seq_len(head_size):
+        runners["CUDA v1"] = lambda: ck.paged_attention_v1(out, p.query, key_v0, value_v0, *common, check_ids=False)
+    return runners
+
+
+def cuda_attention_table(shapes=CUDA_SHAPES, print_fn=print) -> list[dict]:
+    """Issue 3's table: v1, v2 (and Triton) bandwidth as a fraction of a copy, per shape."""
+    warm_up()
+    copy_bw = copy_bandwidth()
+    print_fn(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
+    print_fn("model: 32 query heads / 8 KV heads, head size 128, block size 16, bf16, v0 layout; "
+             "CUDA-graph replays, L2 flushed before each")
+    names = ("CUDA v1", "CUDA v2", "Triton")
+    print_fn(f"{'batch':>5} {'context':>7} " + " ".join(f"{n + ' us':>11} {'frac':>5}" for n in names))
+    rows = []
+    for batch, context in shapes:
+        p = make_decode_problem([context] * batch, device="cuda", **MODEL)
+        row = {"batch": batch, "context": context}
+        for name, run in _v0_runners(p, context).items():
+            ms = graph_time_ms(run)
+            row[name] = (ms, p.kv_bytes_read / (ms * 1e-3) / copy_bw)
+        cells = [f"{row[n][0] * 1e3:>11.1f} {row[n][1]:>5.2f}" if n in row else f"{'-':>11} {'-':>5}" for n in names]
+        print_fn(f"{batch:>5} {context:>7} " + " ".join(cells))
+        rows.append(row)
+        del p
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: int = 8,
+                 print_fn=print) -> tuple[list[int], dict[str, list[float]]]:
+    """Decode time (µs) against context length for CUDA v1, v2, Triton and a contiguous SDPA floor.
+
+    The floor is ``torch.nn.functional.scaled_dot_product_attention`` on the same keys and
+    values gathered into contiguous ``[batch, kv_heads, context, head_size]`` tensors: attention
+    without paging (the gather itself is not timed). Returns ``(contexts, {name: [µs, ...]})``.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernel_times measures GPU kernels and needs a CUDA device")
+    import torch.nn.functional as F
+    from paged_attention.kernels.reference import gather_kv
+    warm_up()
+    times: dict[str, list[float]] = {"CUDA v1": [], "CUDA v2": [], "Triton": [], "SDPA (contiguous)": []}
+    for context in contexts:
+        p = make_decode_problem([context] * batch, device="cuda", **MODEL)
+        for name, run in _v0_runners(p, context).items():
+            times[name].append(graph_time_ms(run) * 1e3)
+        k, v = (torch.stack([t.transpose(0, 1) for t in kv]) for kv in
+                zip(*(gather_kv(p.key_cache, p.value_cache, p.block_tables[s], context) for s in range(batch))))
+        q = p.query.unsqueeze(2)                                  # [batch, heads, 1, head_size]
+        times["SDPA (contiguous)"].append(
+            graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=p.scale, enable_gqa=True)) * 1e3)
+        print_fn(f"context {context:>6}: " + "  ".join(f"{n} {t[-1]:.1f} us" for n, t in times.items() if t))
+        del p, k, v
+        torch.cuda.empty_cache()
+    return list(contexts), times

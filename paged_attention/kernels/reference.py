@@ -20,6 +20,8 @@ Two cache layouts appear throughout.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from paged_attention.kernels import args
@@ -408,8 +410,12 @@ def swap_blocks(
 
 def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                       blocksparse_vert_stride) -> list[int]:
-    """All argument checks of ``paged_attention_v1`` (and v2's shared ones); returns the lengths."""
+                       blocksparse_vert_stride, *, check_ids: bool = True) -> None:
+    """All argument checks of ``paged_attention_v1`` (and v2's shared ones).
+
+    ``check_ids=False`` skips the block-id and length value checks, which copy the tables to the
+    host (and so cannot run inside a CUDA-graph capture).
+    """
     args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
     args.shape("out", out, tuple(query.shape))
@@ -434,11 +440,12 @@ def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_t
     args.scale("v_scale", v_scale)
     if blocksparse_vert_stride > 1:
         raise ValueError("block-sparse attention (blocksparse_vert_stride > 1) is not implemented here")
+    if not isinstance(max_seq_len, numbers.Integral) or isinstance(max_seq_len, bool) or max_seq_len < 1:
+        raise TypeError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
     longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
-                                         num_blocks=key_cache.size(0))
+                                         num_blocks=key_cache.size(0), check_ids=check_ids)
     if longest > max_seq_len:
         raise ValueError(f"max_seq_len ({max_seq_len}) must be >= the longest of seq_lens ({longest})")
-    return seq_lens.tolist()
 
 
 def _gather_v0(key_cache, value_cache, block_table, seq_len, kv_cache_dtype, k_scale, v_scale):
@@ -496,10 +503,10 @@ def paged_attention_v1(
     ``+1e-6``; the result is written into ``out`` in the query's dtype. Block-sparse attention
     (``blocksparse_vert_stride > 1``) is not implemented; ``tp_rank`` only mattered there.
     """
-    lens = check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+    check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                               block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
                               blocksparse_vert_stride)
-    for s, seq_len in enumerate(lens):
+    for s, seq_len in enumerate(seq_lens.tolist()):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
         positions = torch.arange(seq_len, device=query.device)
         logits = _logits(query[s].float(), k, scale, alibi_slopes, positions, seq_len)
@@ -540,11 +547,11 @@ def paged_attention_v2(
     (sum_p w_p + 1e-6)``. A single-partition sequence copies ``tmp_out`` straight to ``out``.
     Partitions past a sequence's end are left untouched, as the CUDA kernel leaves them.
     """
-    lens = check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+    check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                                block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
                               blocksparse_vert_stride)
     check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
-    for s, seq_len in enumerate(lens):
+    for s, seq_len in enumerate(seq_lens.tolist()):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
         q = query[s].float()
         n = cdiv(seq_len, PARTITION_SIZE)

@@ -1,0 +1,335 @@
+"""Our CUDA kernels for vLLM's cache and attention ops (spec §5), built on first use.
+
+The sources are in ``csrc/``, written to be read:
+
+* ``cache_kernels.cu``: ``reshape_and_cache`` (v0 layout), ``reshape_and_cache_flash`` (NHD and
+  HND), ``copy_blocks`` (all layers in one launch) and ``swap_blocks`` (one memcpy per block);
+* ``attention.cuh``: ``paged_attention_v1`` and ``v2``, one thread block per (head, sequence
+  [, 512-token partition]), and v2's reduction; compiled per element type in
+  ``attention_{float,half,bfloat16}.cu``.
+
+The first call builds the extension with ``torch.utils.cpp_extension.load`` for the GPUs of this
+machine (about a minute), which then stays cached in ``~/.cache/torch_extensions``. Each function
+here has the signature of its namesake in ``paged_attention.kernels.reference``, checks its
+arguments with the same checks (``ValueError``/``TypeError`` before anything runs), adds what the
+kernels need (CUDA tensors, contiguous caches, the compiled head and block sizes) and launches.
+
+Importing this module never fails. Without a CUDA device every kernel raises
+``CudaUnavailableError`` saying so and naming the Triton and reference versions.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged_attention.kernels import args
+from paged_attention.kernels import reference as ref
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "cache_kernels.cu", "attention_float.cu", "attention_half.cu",
+           "attention_bfloat16.cu")
+# What the attention kernels are compiled for (spec §5.6).
+HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+NUM_WARPS = 4            # threads per attention thread block: 128
+# kv_cache_dtype -> the code the kernels dispatch on (csrc/common.cuh, KvDtype).
+_KV_CODES = {"auto": 0, "float16": 0, "bfloat16": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_ds_mla": 1, "fp8_e5m2": 2}
+
+
+class CudaUnavailableError(RuntimeError):
+    """The CUDA kernels cannot run on this machine (no GPU, or no CUDA toolkit to build them)."""
+
+
+def _why_unavailable() -> str | None:
+    if not torch.cuda.is_available():
+        return ("the CUDA kernels need an NVIDIA GPU and there is none here; use "
+                "paged_attention.kernels.triton (Triton's interpreter runs on a CPU) or "
+                "paged_attention.kernels.reference (plain torch) instead")
+    from torch.utils.cpp_extension import CUDA_HOME
+    if CUDA_HOME is None:
+        return ("the CUDA kernels are compiled on first use, but no CUDA toolkit (nvcc) was found; "
+                "install one or set CUDA_HOME")
+    return None
+
+
+@functools.cache
+def _extension() -> Any:
+    """Build (first time) and load the extension; raise CudaUnavailableError where impossible."""
+    why = _why_unavailable()
+    if why is not None:
+        raise CudaUnavailableError(why)
+    from torch.utils.cpp_extension import load
+    # cpp_extension compiles for the GPUs it sees unless TORCH_CUDA_ARCH_LIST says otherwise.
+    return load(
+        name="paged_attention_cuda",
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"],
+        verbose=os.environ.get("PAGED_ATTENTION_VERBOSE_BUILD") == "1",
+    )
+
+
+def available() -> tuple[bool, str]:
+    """``(True, what was loaded)`` or ``(False, why not)``. Builds the extension if needed."""
+    why = _why_unavailable()
+    if why is not None:
+        return False, why
+    try:
+        ext = _extension()
+    except Exception as e:  # a failed build: say so rather than crash a notebook
+        return False, f"building the CUDA extension failed: {type(e).__name__}: {e}"
+    return True, f"{ext.__name__} built for {torch.cuda.get_device_name()}"
+
+
+# --------------------------------------------------------------------------------------------
+# What the kernels need beyond the reference's checks
+# --------------------------------------------------------------------------------------------
+
+def _on_cuda(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device for the CUDA kernels, got {t.device}")
+
+
+def _contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the CUDA kernels (got strides {t.stride()})")
+
+
+def _rows_of_heads(name: str, t: torch.Tensor) -> None:
+    """``[tokens, heads, head_size]`` whose heads and elements are contiguous within a row."""
+    if t.stride(2) != 1 or (t.size(1) > 1 and t.stride(1) != t.size(2)):
+        raise ValueError(f"{name} must have contiguous heads within each token (strides [*, {t.size(2)}, 1]), "
+                         f"got {list(t.stride())}")
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Cache writes (spec §5.1, §5.2)
+# --------------------------------------------------------------------------------------------
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Scatter new tokens' keys and values into the v0-layout caches (``csrc/cache_kernels.cu``)."""
+    ext = _extension()
+    ref.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                k_scale, v_scale)
+    _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
+    _rows_of_heads("key", key)
+    _rows_of_heads("value", value)
+    _contiguous(key_cache=key_cache, value_cache=value_cache)
+    ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous(),
+                          _KV_CODES[kv_cache_dtype], k_scale, v_scale)
+
+
+def reshape_and_cache_flash(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Scatter new tokens into flash-layout caches, NHD or HND, scales per tensor or per head."""
+    ext = _extension()
+    ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                      k_scale, v_scale)
+    _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must have a unit stride in head_size, got strides {list(t.stride())}")
+    ext.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping.contiguous(),
+                                _KV_CODES[kv_cache_dtype], k_scale, v_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Block copies (spec §5.3, §5.4)
+# --------------------------------------------------------------------------------------------
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy block ``src`` over block ``dst`` for every pair, in every layer, in one launch.
+
+    The pairs run in parallel, so a block that is both a source and a destination would make
+    the result depend on the order: vLLM leaves that undefined; here it is refused (the legacy
+    block manager's copy-on-write pairs never do it). ``block_mapping`` may be on any device.
+    """
+    ext = _extension()
+    if not ref.check_copy_blocks(key_caches, value_caches, block_mapping):
+        return
+    caches = [*key_caches, *value_caches]
+    device = caches[0].device
+    for i, t in enumerate(caches):
+        kind, layer = ("key_caches", i) if i < len(key_caches) else ("value_caches", i - len(key_caches))
+        _on_cuda(**{f"{kind}[{layer}]": t})
+        _contiguous(**{f"{kind}[{layer}]": t})
+        if t.device != device:
+            raise ValueError(f"{kind}[{layer}] is on {t.device}, but key_caches[0] is on {device}")
+    block_bytes = {t[0].numel() * t.element_size() for t in caches}
+    if len(block_bytes) != 1:
+        raise ValueError(f"every key and value cache must have blocks of the same size in bytes, got {sorted(block_bytes)}")
+    pairs = block_mapping.cpu()
+    src, dst = set(pairs[:, 0].tolist()), pairs[:, 1].tolist()
+    if len(set(dst)) != len(dst) or src & set(dst):
+        raise ValueError("block_mapping must not name a destination twice, nor a block that is both a source "
+                         "and a destination: the CUDA copies run in parallel")
+    nbytes = block_bytes.pop()
+    ptrs = [t.data_ptr() for t in caches]
+    aligned16 = nbytes % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+    ext.copy_blocks(as_tensor(ptrs[:len(key_caches)]), as_tensor(ptrs[len(key_caches):]),
+                    block_mapping.to(device).contiguous(), nbytes, aligned16)
+
+
+def swap_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    block_size_in_bytes: int | torch.Tensor | None = None,
+    block_mapping: torch.Tensor | None = None,
+) -> None:
+    """Copy whole blocks GPU -> CPU, CPU -> GPU or GPU -> GPU, one ``cudaMemcpyAsync`` each.
+
+    Both of vLLM's signatures work, as in the reference. Use pinned CPU memory for the copies to
+    run asynchronously on the current stream; with pageable memory they still work, synchronously.
+    """
+    ext = _extension()
+    nbytes, block_mapping = ref.check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        raise ValueError("Invalid device combination: swap_blocks copies to or from a GPU; for CPU-to-CPU "
+                         "use paged_attention.kernels.reference.swap_blocks")
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        raise ValueError(f"src and dst must be on the same GPU, got {src.device} and {dst.device}")
+    ext.swap_blocks(src, dst, nbytes, block_mapping.contiguous())
+
+
+# --------------------------------------------------------------------------------------------
+# Paged attention v1 / v2 (spec §5.6)
+# --------------------------------------------------------------------------------------------
+
+def v1_max_seq_len(head_size: int, device: torch.device | None = None) -> int:
+    """The longest context ``paged_attention_v1`` can take on this GPU: it keeps a float score
+    per token in shared memory, next to the query and a per-warp output row (``attention.cuh``)."""
+    optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    static = 4 * (head_size + NUM_WARPS * head_size + NUM_WARPS)
+    return (optin - static) // 4
+
+
+def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+                     max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
+                     check_ids):
+    ref.check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                           block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                           blocksparse_vert_stride, check_ids=check_ids)
+    if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the CUDA attention kernels read unquantized "
+                         f"caches only; paged_attention.kernels.reference handles fp8")
+    head_size = query.size(2)
+    if head_size not in HEAD_SIZES:
+        raise ValueError(f"Unsupported head size: {head_size}; the CUDA kernels are compiled for {HEAD_SIZES}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"Unsupported block size: {block_size}; the CUDA kernels are compiled for {BLOCK_SIZES}")
+    _on_cuda(query=query)
+    if query.stride(2) != 1:
+        raise ValueError(f"query must have a unit stride in head_size, got strides {list(query.stride())}")
+    _contiguous(out=out, key_cache=key_cache, value_cache=value_cache)
+    if alibi_slopes is not None:
+        _contiguous(alibi_slopes=alibi_slopes)
+
+
+def paged_attention_v1(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    tp_rank: int = 0,
+    blocksparse_local_blocks: int = 0,
+    blocksparse_vert_stride: int = 0,
+    blocksparse_block_size: int = 64,
+    blocksparse_head_sliding_step: int = 0,
+    *,
+    check_ids: bool = True,
+) -> None:
+    """One decode step, one thread block per (head, sequence) over the whole context.
+
+    The context is limited by shared memory (``v1_max_seq_len``). ``check_ids=False`` skips the
+    host-side block-id checks, e.g. inside a CUDA-graph capture whose tables are known good.
+    """
+    ext = _extension()
+    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+                     max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
+                     check_ids)
+    limit = v1_max_seq_len(query.size(2), query.device)
+    if max_seq_len > limit:
+        raise ValueError(f"max_seq_len={max_seq_len} is more than paged_attention_v1 can hold in shared memory "
+                         f"on this GPU ({limit} tokens for head size {query.size(2)}); use paged_attention_v2")
+    ext.paged_attention(out, None, None, None, query, key_cache, value_cache, num_kv_heads, float(scale),
+                        _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len), alibi_slopes)
+
+
+def paged_attention_v2(
+    out: torch.Tensor,
+    exp_sums: torch.Tensor,
+    max_logits: torch.Tensor,
+    tmp_out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_seq_len: int,
+    alibi_slopes: torch.Tensor | None,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    tp_rank: int = 0,
+    blocksparse_local_blocks: int = 0,
+    blocksparse_vert_stride: int = 0,
+    blocksparse_block_size: int = 64,
+    blocksparse_head_sliding_step: int = 0,
+    *,
+    check_ids: bool = True,
+) -> None:
+    """One decode step in 512-token partitions (grid: head, sequence, partition), then a reduction.
+
+    ``exp_sums``/``max_logits`` (float32) and ``tmp_out`` are ``[num_seqs, num_heads,
+    ceil(max_seq_len / 512)(, head_size)]`` scratch, filled as the reference fills them.
+    """
+    ext = _extension()
+    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+                     max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
+                     check_ids)
+    ref.check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
+    _contiguous(exp_sums=exp_sums, max_logits=max_logits, tmp_out=tmp_out)
+    ext.paged_attention(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
+                        float(scale), _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len),
+                        alibi_slopes)

@@ -1,0 +1,302 @@
+// Paged attention v1 and v2 for one decode step over vLLM's v0 cache layout (spec §5.6).
+//
+// Work split. One thread block of 128 threads (4 warps) computes one query head of one sequence
+// (v1), or of one 512-token partition of it (v2): grid = (num_heads, num_seqs, num_partitions).
+// Inside it:
+//   1. q . k  Warps take the sequence's KV blocks round-robin (warp w: blocks w, w+4, ...). A
+//             warp holds one block at a time: each of its 32 lanes belongs to a "thread group" of
+//             THREAD_GROUP_SIZE = 32 / BLOCK_SIZE lanes that owns one token of the block, so the
+//             warp covers the block's BLOCK_SIZE tokens exactly. The group reads its token's key
+//             in 16-byte x-chunks, each lane VEC = x / THREAD_GROUP_SIZE elements of every chunk,
+//             and adds up its partial dot products with shuffles. Scores go to shared memory.
+//   2. softmax over the scores in shared memory (max, exp, sum: block-wide reductions).
+//   3. p . v  Warps again take blocks round-robin. The value cache stores a block's tokens
+//             innermost ([D, B]), so a lane reads V_VEC consecutive tokens of one dimension in
+//             one 16-byte load and accumulates p_j * v_j for the dimensions it owns. Lanes that
+//             own the same dimension are summed with shuffles, warps through shared memory.
+// v2 writes each partition's max score, exp-sum and locally normalised output; a second kernel
+// rescales the partitions to a common maximum and adds them up.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "attention.h"
+#include "common.cuh"
+
+namespace paged_attention {
+
+constexpr int NUM_THREADS = 128;
+constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
+constexpr int PARTITION_SIZE = 512;      // v2's tokens per partition (a multiple of every block size)
+constexpr float SOFTMAX_EPS = 1e-6f;     // vLLM's guard in the softmax denominator
+
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// PARTITION == 0: v1, the whole sequence in one thread block, output straight to `out`.
+// PARTITION  > 0: v2, partition blockIdx.z only, output to tmp_out, exp_sums, max_logits.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION>
+__global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
+    float* __restrict__ exp_sums,            // v2: [num_seqs, num_heads, num_partitions]
+    float* __restrict__ max_logits,          // v2: [num_seqs, num_heads, num_partitions]
+    scalar_t* __restrict__ out,              // v1: out; v2: tmp_out [.., num_partitions, HEAD_SIZE]
+    const scalar_t* __restrict__ q,          // [num_seqs, num_heads, HEAD_SIZE]
+    const scalar_t* __restrict__ k_cache,    // [num_blocks, num_kv_heads, HEAD_SIZE / x, BLOCK_SIZE, x]
+    const scalar_t* __restrict__ v_cache,    // [num_blocks, num_kv_heads, HEAD_SIZE, BLOCK_SIZE]
+    int num_kv_heads, float scale,
+    const int* __restrict__ block_tables,    // [num_seqs, max_num_blocks_per_seq]
+    const int* __restrict__ seq_lens,        // [num_seqs]
+    int max_num_blocks_per_seq,
+    const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
+    int64_t q_stride, int64_t q_head_stride, int64_t kv_block_stride, int64_t kv_head_stride) {
+  static_assert(BLOCK_SIZE <= WARP_SIZE && WARP_SIZE % BLOCK_SIZE == 0, "block size must divide 32");
+  constexpr int X = 16 / sizeof(scalar_t);                    // elements per 16-byte key chunk
+  constexpr int THREAD_GROUP_SIZE = WARP_SIZE / BLOCK_SIZE;   // lanes per token: 4, 2, 1
+  constexpr int VEC = X / THREAD_GROUP_SIZE;                  // elements per lane per chunk
+  constexpr int NUM_CHUNKS = HEAD_SIZE / X;                   // x-chunks per key
+  static_assert(HEAD_SIZE % X == 0, "head size must be a multiple of x");
+  static_assert(PARTITION % BLOCK_SIZE == 0, "a partition holds whole blocks");
+
+  const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
+  const int num_heads = gridDim.x, num_partitions = gridDim.z;
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+
+  // ---- Which tokens this thread block covers --------------------------------------------------
+  const int seq_len = seq_lens[seq];
+  if (PARTITION > 0 && part * PARTITION >= seq_len) return;   // partition past the sequence's end
+  const int seq_blocks = cdiv(seq_len, BLOCK_SIZE);
+  const int start_block = PARTITION > 0 ? part * (PARTITION / BLOCK_SIZE) : 0;
+  const int end_block = PARTITION > 0 ? min(start_block + PARTITION / BLOCK_SIZE, seq_blocks) : seq_blocks;
+  const int start_token = start_block * BLOCK_SIZE;
+  const int num_tokens = min(end_block * BLOCK_SIZE, seq_len) - start_token;
+
+  const int kv_head = head / (num_heads / num_kv_heads);      // GQA: query heads share a KV head
+  const float slope = alibi_slopes == nullptr ? 0.f : alibi_slopes[head];
+  const int* table = block_tables + (int64_t)seq * max_num_blocks_per_seq;
+
+  extern __shared__ float logits[];        // a score, then a probability, per token (whole blocks)
+  __shared__ float q_s[HEAD_SIZE];
+  __shared__ float red_s[NUM_WARPS];
+  __shared__ float out_s[NUM_WARPS][HEAD_SIZE];
+
+  const scalar_t* q_ptr = q + seq * q_stride + head * q_head_stride;
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) q_s[d] = to_float(q_ptr[d]);
+  __syncthreads();
+
+  // ---- 1. Scores: q . k for every token --------------------------------------------------------
+  const int token_in_block = lane / THREAD_GROUP_SIZE;   // the token this lane's group owns
+  const int member = lane % THREAD_GROUP_SIZE;           // which VEC-slice of each chunk it reads
+  float qk_max = -INFINITY;
+  for (int b = start_block + warp; b < end_block; b += NUM_WARPS) {
+    const int64_t physical = table[b];
+    // Chunk c of token t starts at ((c * BLOCK_SIZE) + t) * X in the [D/x, B, x] panel.
+    const scalar_t* k_ptr = k_cache + physical * kv_block_stride + kv_head * kv_head_stride +
+                            token_in_block * X + member * VEC;
+    float qk = 0.f;
+#pragma unroll
+    for (int c = 0; c < NUM_CHUNKS; ++c) {
+      const Vec<scalar_t, VEC> k = load_vec<scalar_t, VEC>(k_ptr + c * BLOCK_SIZE * X);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) qk += q_s[c * X + member * VEC + i] * to_float(k.e[i]);
+    }
+    qk = warp_sum<THREAD_GROUP_SIZE>(qk);                // the group's lanes now share the full dot
+    const int token = b * BLOCK_SIZE + token_in_block;
+    // ALiBi: slope * (j - seq_len + 1), zero at the newest token.
+    qk = scale * qk + slope * (float)(token - seq_len + 1);
+    if (member == 0) {
+      const bool valid = token < seq_len;                // the last block may be partly filled
+      logits[token - start_token] = valid ? qk : 0.f;
+      if (valid) qk_max = fmaxf(qk_max, qk);
+    }
+  }
+  qk_max = block_reduce<NUM_WARPS, true>(qk_max, red_s);  // (its barriers also publish `logits`)
+
+  // ---- 2. Softmax with vLLM's +1e-6 in the denominator ------------------------------------------
+  float exp_sum = 0.f;
+  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
+    const float e = expf(logits[i] - qk_max);
+    logits[i] = e;
+    exp_sum += e;
+  }
+  exp_sum = block_reduce<NUM_WARPS, false>(exp_sum, red_s);
+  const float inv_sum = 1.f / (exp_sum + SOFTMAX_EPS);
+  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
+  if (PARTITION > 0 && threadIdx.x == 0) {
+    const int64_t idx = ((int64_t)seq * num_heads + head) * num_partitions + part;
+    max_logits[idx] = qk_max;
+    exp_sums[idx] = exp_sum;
+  }
+  __syncthreads();
+
+  // ---- 3. Output: sum_j p_j v_j ---------------------------------------------------------------
+  constexpr int V_VEC = (16 / sizeof(scalar_t)) < BLOCK_SIZE ? 16 / sizeof(scalar_t) : BLOCK_SIZE;
+  constexpr int VECS_PER_ROW = BLOCK_SIZE / V_VEC;        // lanes sharing one dimension's row
+  constexpr int ROWS_PER_ITER = WARP_SIZE / VECS_PER_ROW; // dimensions a warp covers at once
+  constexpr int ROWS_PER_THREAD = cdiv(HEAD_SIZE, ROWS_PER_ITER);
+  const int first_token = (lane % VECS_PER_ROW) * V_VEC;  // of the block, for this lane
+  float acc[ROWS_PER_THREAD];
+#pragma unroll
+  for (int r = 0; r < ROWS_PER_THREAD; ++r) acc[r] = 0.f;
+
+  for (int b = start_block + warp; b < end_block; b += NUM_WARPS) {
+    const int64_t physical = table[b];
+    const int token0 = b * BLOCK_SIZE + first_token;
+    float p[V_VEC];
+#pragma unroll
+    for (int j = 0; j < V_VEC; ++j) p[j] = logits[token0 - start_token + j];
+    // Row d of the [D, B] panel holds dimension d of all the block's tokens.
+    const scalar_t* v_ptr = v_cache + physical * kv_block_stride + kv_head * kv_head_stride + first_token;
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; ++r) {
+      const int row = lane / VECS_PER_ROW + r * ROWS_PER_ITER;
+      if (row < HEAD_SIZE) {
+        const Vec<scalar_t, V_VEC> v = load_vec<scalar_t, V_VEC>(v_ptr + row * BLOCK_SIZE);
+#pragma unroll
+        for (int j = 0; j < V_VEC; ++j) {
+          // Slots past seq_len hold whatever was there (maybe NaN bits): p = 0 is not enough.
+          if (token0 + j < seq_len) acc[r] += p[j] * to_float(v.e[j]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS_PER_THREAD; ++r) acc[r] = warp_sum<VECS_PER_ROW>(acc[r]);
+  if (lane % VECS_PER_ROW == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; ++r) {
+      const int row = lane / VECS_PER_ROW + r * ROWS_PER_ITER;
+      if (row < HEAD_SIZE) out_s[warp][row] = acc[r];
+    }
+  }
+  __syncthreads();
+  const int64_t out_row = PARTITION > 0 ? ((int64_t)seq * num_heads + head) * num_partitions + part
+                                        : (int64_t)seq * num_heads + head;
+  scalar_t* out_ptr = out + out_row * HEAD_SIZE;
+  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) sum += out_s[w][d];
+    out_ptr[d] = from_float<scalar_t>(sum);
+  }
+}
+
+// v2's reduction, one thread block per (head, sequence). Partition p was normalised by its own
+// sum s_p at its own maximum m_p. Rescaled to the global maximum M its weight is
+// w_p = s_p * exp(m_p - M), and out = sum_p w_p * tmp_out_p / (sum_p w_p + 1e-6).
+template <typename scalar_t>
+__global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
+    scalar_t* __restrict__ out, const float* __restrict__ exp_sums,
+    const float* __restrict__ max_logits, const scalar_t* __restrict__ tmp_out,
+    const int* __restrict__ seq_lens, int num_partitions, int head_size) {
+  const int head = blockIdx.x, seq = blockIdx.y, num_heads = gridDim.x;
+  const int64_t row = (int64_t)seq * num_heads + head;
+  const int n = cdiv(seq_lens[seq], PARTITION_SIZE);
+  scalar_t* o = out + row * head_size;
+  const scalar_t* partial = tmp_out + row * num_partitions * head_size;
+  if (n == 1) {                              // one partition: its output is already final
+    for (int d = threadIdx.x; d < head_size; d += NUM_THREADS) o[d] = partial[d];
+    return;
+  }
+  extern __shared__ float weights[];         // w_p, one per partition
+  __shared__ float red_s[NUM_WARPS];
+  const float* m = max_logits + row * num_partitions;
+  const float* s = exp_sums + row * num_partitions;
+  float global_max = -INFINITY;
+  for (int p = threadIdx.x; p < n; p += NUM_THREADS) global_max = fmaxf(global_max, m[p]);
+  global_max = block_reduce<NUM_WARPS, true>(global_max, red_s);
+  float total = 0.f;
+  for (int p = threadIdx.x; p < n; p += NUM_THREADS) {
+    const float w = s[p] * expf(m[p] - global_max);
+    weights[p] = w;
+    total += w;
+  }
+  total = block_reduce<NUM_WARPS, false>(total, red_s);   // its barriers publish `weights`
+  const float inv_total = 1.f / (total + SOFTMAX_EPS);
+  for (int d = threadIdx.x; d < head_size; d += NUM_THREADS) {
+    float acc = 0.f;
+    for (int p = 0; p < n; ++p) acc += weights[p] * to_float(partial[p * head_size + d]);
+    o[d] = from_float<scalar_t>(acc * inv_total);
+  }
+}
+
+// ---- Host side ----------------------------------------------------------------------------------
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE>
+void launch_paged_attention(const AttentionArgs& a) {
+  const int num_seqs = a.query.size(0), num_heads = a.query.size(1);
+  const c10::cuda::OptionalCUDAGuard guard(device_of(a.query));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const float* alibi = a.alibi_slopes.has_value() ? a.alibi_slopes->data_ptr<float>() : nullptr;
+  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<scalar_t*>(t.data_ptr()); };
+  const auto* q = ptr(a.query);
+  const auto* k = ptr(a.key_cache);
+  const auto* v = ptr(a.value_cache);
+  const int* tables = a.block_tables.data_ptr<int>();
+  const int* lens = a.seq_lens.data_ptr<int>();
+  const int max_blocks = a.block_tables.size(1);
+  const float scale = static_cast<float>(a.scale);
+  if (!a.v2) {
+    // v1 keeps a score per token of the longest sequence in shared memory.
+    auto kernel = paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, 0>;
+    const size_t smem = (size_t)cdiv(a.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE * sizeof(float);
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    int device = 0, optin = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const size_t limit = (size_t)optin - attr.sharedSizeBytes;
+    TORCH_CHECK(smem <= limit, "paged_attention_v1 keeps one float per token in shared memory: max_seq_len ",
+                a.max_seq_len, " needs ", smem, " bytes, this GPU allows ", limit, "; use paged_attention_v2");
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    }
+    kernel<<<dim3(num_heads, num_seqs, 1), NUM_THREADS, smem, stream>>>(
+        nullptr, nullptr, ptr(a.out), q, k, v, a.num_kv_heads, scale, tables, lens, max_blocks, alibi,
+        a.query.stride(0), a.query.stride(1), a.key_cache.stride(0), a.key_cache.stride(1));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    const int num_partitions = cdiv(a.max_seq_len, PARTITION_SIZE);
+    paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE>
+        <<<dim3(num_heads, num_seqs, num_partitions), NUM_THREADS, PARTITION_SIZE * sizeof(float), stream>>>(
+            a.exp_sums.data_ptr<float>(), a.max_logits.data_ptr<float>(), ptr(a.tmp_out), q, k, v,
+            a.num_kv_heads, scale, tables, lens, max_blocks, alibi, a.query.stride(0), a.query.stride(1),
+            a.key_cache.stride(0), a.key_cache.stride(1));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // The weights' array is padded to whole float4s: the compiler may read it four at a time.
+    const size_t reduce_smem = (size_t)(cdiv(num_partitions, 4) + 1) * 4 * sizeof(float);
+    paged_attention_v2_reduce_kernel<scalar_t>
+        <<<dim3(num_heads, num_seqs), NUM_THREADS, reduce_smem, stream>>>(
+            ptr(a.out), a.exp_sums.data_ptr<float>(), a.max_logits.data_ptr<float>(), ptr(a.tmp_out), lens,
+            num_partitions, HEAD_SIZE);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The compiled (head size, block size) pairs: spec §5.6's lists.
+template <typename scalar_t, int HEAD_SIZE>
+void dispatch_block_size(const AttentionArgs& a) {
+  switch (a.block_size) {
+    case 8: return launch_paged_attention<scalar_t, HEAD_SIZE, 8>(a);
+    case 16: return launch_paged_attention<scalar_t, HEAD_SIZE, 16>(a);
+    case 32: return launch_paged_attention<scalar_t, HEAD_SIZE, 32>(a);
+    default: TORCH_CHECK(false, "Unsupported block size: ", a.block_size);
+  }
+}
+
+template <typename scalar_t>
+void dispatch_paged_attention(const AttentionArgs& a) {
+  switch (a.query.size(2)) {
+    case 32: return dispatch_block_size<scalar_t, 32>(a);
+    case 64: return dispatch_block_size<scalar_t, 64>(a);
+    case 80: return dispatch_block_size<scalar_t, 80>(a);
+    case 96: return dispatch_block_size<scalar_t, 96>(a);
+    case 112: return dispatch_block_size<scalar_t, 112>(a);
+    case 120: return dispatch_block_size<scalar_t, 120>(a);
+    case 128: return dispatch_block_size<scalar_t, 128>(a);
+    case 192: return dispatch_block_size<scalar_t, 192>(a);
+    case 256: return dispatch_block_size<scalar_t, 256>(a);
+    default: TORCH_CHECK(false, "Unsupported head size: ", a.query.size(2));
+  }
+}
+
+}  // namespace paged_attention
