@@ -48,9 +48,9 @@ def test_sources_cover_what_the_module_dispatches():
     assert names == set(ck.SOURCES)
     dispatch = (ck.CSRC / "attention.cuh").read_text()
     for h in ck.HEAD_SIZES:
-        assert f"case {h}: return dispatch_block_size<scalar_t, {h}>(a);" in dispatch
+        assert f"case {h}: return dispatch_block_size<scalar_t, GROUP, {h}>(a);" in dispatch
     for b in ck.BLOCK_SIZES:
-        assert f"case {b}: return launch_paged_attention<scalar_t, HEAD_SIZE, {b}>(a);" in dispatch
+        assert f"case {b}: return launch_paged_attention<scalar_t, HEAD_SIZE, {b}, GROUP>(a);" in dispatch
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,9 +247,10 @@ def test_v1_and_v2_match_oracle(dtype, num_heads, num_kv_heads, alibi):
 @pytest.mark.parametrize("head_size", ck.HEAD_SIZES)
 @pytest.mark.parametrize("block_size", ck.BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_compiled_size(head_size, block_size, dtype):
+@pytest.mark.parametrize("num_heads", [4, 8])     # 2 or 4 query heads per KV head: 1 or 4 per thread block
+def test_every_compiled_size(head_size, block_size, dtype, num_heads):
     lens = [1, block_size, 3 * block_size + 1, 700]
-    p, expected, k, v = _v0_problem(lens, num_heads=4, num_kv_heads=2, head_size=head_size,
+    p, expected, k, v = _v0_problem(lens, num_heads=num_heads, num_kv_heads=2, head_size=head_size,
                                     block_size=block_size, dtype=dtype, seed=head_size + block_size)
     assert_close_to_oracle(_v1(p, k, v, 700), expected, "paged_attention_v1")
     assert_close_to_oracle(_v2(p, k, v, 700)[0], expected, "paged_attention_v2")
@@ -328,6 +329,7 @@ def test_attention_bad_input_is_refused_before_launch():
 def test_v1_handles_long_contexts_up_to_its_limit():
     limit = ck.v1_max_seq_len(128)
     assert limit > 32768                      # Hopper: 227 KB of shared memory per block
-    p, expected, k, v = _v0_problem([32768, 3], num_heads=8, num_kv_heads=8, head_size=128, block_size=16,
+    # GQA 4: four heads' scores per thread block would not fit; v1 falls back to one head each.
+    p, expected, k, v = _v0_problem([32768, 3], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                                     dtype=torch.bfloat16, poison=False)
     assert_close_to_oracle(_v1(p, k, v, 32768), expected)

@@ -5,8 +5,9 @@ The sources are in ``csrc/``, written to be read:
 * ``cache_kernels.cu``: ``reshape_and_cache`` (v0 layout), ``reshape_and_cache_flash`` (NHD and
   HND), ``copy_blocks`` (all layers in one launch) and ``swap_blocks`` (one memcpy per block);
 * ``attention.cuh``: ``paged_attention_v1`` and ``v2``, one thread block per (head, sequence
-  [, 512-token partition]), and v2's reduction; compiled per element type in
-  ``attention_{float,half,bfloat16}.cu``.
+  [, 512-token partition]) as in vLLM, or per four query heads of one KV head (GQA: every K/V
+  load serves all four), and v2's reduction; ``attention_launch.cu`` picks the instance, each
+  compiled in its own ``attention_<type>_g<heads>.cu`` so that they build in parallel.
 
 The first call builds the extension with ``torch.utils.cpp_extension.load`` for the GPUs of this
 machine (about a minute), which then stays cached in ``~/.cache/torch_extensions``. Each function
@@ -30,8 +31,8 @@ from paged_attention.kernels import args
 from paged_attention.kernels import reference as ref
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "cache_kernels.cu", "attention_float.cu", "attention_half.cu",
-           "attention_bfloat16.cu")
+SOURCES = ("bindings.cpp", "cache_kernels.cu", "attention_launch.cu",
+           *(f"attention_{t}_g{g}.cu" for t in ("float", "half", "bfloat16") for g in (1, 4)))
 # What the attention kernels are compiled for (spec §5.6).
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)

@@ -2,7 +2,9 @@
 //
 // Work split. One thread block of 128 threads (4 warps) computes one query head of one sequence
 // (v1), or of one 512-token partition of it (v2): grid = (num_heads, num_seqs, num_partitions).
-// Inside it:
+// That is vLLM's mapping (GROUP = 1). With grouped-query attention several query heads read the
+// same KV head; with GROUP = 4 a thread block computes four of them, so that each key and value
+// it loads serves four heads: a quarter of the loads and conversions per head. Inside it:
 //   1. q . k  Warps take the sequence's KV blocks round-robin (warp w: blocks w, w+4, ...). A
 //             warp holds one block at a time: each of its 32 lanes belongs to a "thread group" of
 //             THREAD_GROUP_SIZE = 32 / BLOCK_SIZE lanes that owns one token of the block, so the
@@ -36,7 +38,9 @@ __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // PARTITION == 0: v1, the whole sequence in one thread block, output straight to `out`.
 // PARTITION  > 0: v2, partition blockIdx.z only, output to tmp_out, exp_sums, max_logits.
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION>
+// GROUP: query heads per thread block, all of one KV head (GQA). Each key and value element is
+// loaded and converted once and used for all GROUP heads; GROUP = 1 is vLLM's own mapping.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION, int GROUP>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
     float* __restrict__ exp_sums,            // v2: [num_seqs, num_heads, num_partitions]
     float* __restrict__ max_logits,          // v2: [num_seqs, num_heads, num_partitions]
@@ -58,8 +62,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   static_assert(HEAD_SIZE % X == 0, "head size must be a multiple of x");
   static_assert(PARTITION % BLOCK_SIZE == 0, "a partition holds whole blocks");
 
-  const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
-  const int num_heads = gridDim.x, num_partitions = gridDim.z;
+  const int first_head = blockIdx.x * GROUP, seq = blockIdx.y, part = blockIdx.z;
+  const int num_heads = gridDim.x * GROUP, num_partitions = gridDim.z;
   const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
 
   // ---- Which tokens this thread block covers --------------------------------------------------
@@ -70,62 +74,82 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   const int end_block = PARTITION > 0 ? min(start_block + PARTITION / BLOCK_SIZE, seq_blocks) : seq_blocks;
   const int start_token = start_block * BLOCK_SIZE;
   const int num_tokens = min(end_block * BLOCK_SIZE, seq_len) - start_token;
+  const int span = (end_block - start_block) * BLOCK_SIZE;     // scores kept per head (whole blocks)
 
-  const int kv_head = head / (num_heads / num_kv_heads);      // GQA: query heads share a KV head
-  const float slope = alibi_slopes == nullptr ? 0.f : alibi_slopes[head];
+  const int kv_head = first_head / (num_heads / num_kv_heads);  // GQA: query heads share a KV head
+  float slope[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) slope[g] = alibi_slopes == nullptr ? 0.f : alibi_slopes[first_head + g];
   const int* table = block_tables + (int64_t)seq * max_num_blocks_per_seq;
 
-  extern __shared__ float logits[];        // a score, then a probability, per token (whole blocks)
-  __shared__ float q_s[HEAD_SIZE];
-  __shared__ float red_s[NUM_WARPS];
-  __shared__ float out_s[NUM_WARPS][HEAD_SIZE];
+  extern __shared__ float logits[];        // [GROUP][span]: a score, then a probability, per token
+  __shared__ __align__(32) float q_s[GROUP][HEAD_SIZE];
+  __shared__ float red_s[NUM_WARPS * GROUP];
+  __shared__ float out_s[NUM_WARPS][GROUP][HEAD_SIZE];
 
-  const scalar_t* q_ptr = q + seq * q_stride + head * q_head_stride;
-  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) q_s[d] = to_float(q_ptr[d]);
+  for (int i = threadIdx.x; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
+    const int g = i / HEAD_SIZE, d = i % HEAD_SIZE;
+    q_s[g][d] = to_float(q[seq * q_stride + (first_head + g) * q_head_stride + d]);
+  }
   __syncthreads();
 
   // ---- 1. Scores: q . k for every token --------------------------------------------------------
   const int token_in_block = lane / THREAD_GROUP_SIZE;   // the token this lane's group owns
   const int member = lane % THREAD_GROUP_SIZE;           // which VEC-slice of each chunk it reads
-  float qk_max = -INFINITY;
+  float qk_max[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) qk_max[g] = -INFINITY;
   for (int b = start_block + warp; b < end_block; b += NUM_WARPS) {
     const int64_t physical = table[b];
     // Chunk c of token t starts at ((c * BLOCK_SIZE) + t) * X in the [D/x, B, x] panel.
     const scalar_t* k_ptr = k_cache + physical * kv_block_stride + kv_head * kv_head_stride +
                             token_in_block * X + member * VEC;
-    float qk = 0.f;
+    float qk[GROUP];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) qk[g] = 0.f;
 #pragma unroll
     for (int c = 0; c < NUM_CHUNKS; ++c) {
       const Vec<scalar_t, VEC> k = load_vec<scalar_t, VEC>(k_ptr + c * BLOCK_SIZE * X);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) qk += q_s[c * X + member * VEC + i] * to_float(k.e[i]);
+      for (int g = 0; g < GROUP; ++g) {
+        const Vec<float, VEC> qv = load_vec<float, VEC>(&q_s[g][c * X + member * VEC]);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) qk[g] += qv.e[i] * to_float(k.e[i]);
+      }
     }
-    qk = warp_sum<THREAD_GROUP_SIZE>(qk);                // the group's lanes now share the full dot
     const int token = b * BLOCK_SIZE + token_in_block;
-    // ALiBi: slope * (j - seq_len + 1), zero at the newest token.
-    qk = scale * qk + slope * (float)(token - seq_len + 1);
-    if (member == 0) {
-      const bool valid = token < seq_len;                // the last block may be partly filled
-      logits[token - start_token] = valid ? qk : 0.f;
-      if (valid) qk_max = fmaxf(qk_max, qk);
+    const bool valid = token < seq_len;                  // the last block may be partly filled
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      // The group's lanes add up their partial dots; ALiBi adds slope * (j - seq_len + 1).
+      const float s = scale * warp_sum<THREAD_GROUP_SIZE>(qk[g]) + slope[g] * (float)(token - seq_len + 1);
+      if (member == 0) logits[g * span + token - start_token] = valid ? s : 0.f;
+      if (valid) qk_max[g] = fmaxf(qk_max[g], s);
     }
   }
-  qk_max = block_reduce<NUM_WARPS, true>(qk_max, red_s);  // (its barriers also publish `logits`)
+  block_reduce_group<NUM_WARPS, GROUP, true>(qk_max, red_s);   // (its barriers publish `logits`)
 
   // ---- 2. Softmax with vLLM's +1e-6 in the denominator ------------------------------------------
-  float exp_sum = 0.f;
-  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
-    const float e = expf(logits[i] - qk_max);
-    logits[i] = e;
-    exp_sum += e;
+  float exp_sum[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    exp_sum[g] = 0.f;
+    for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) {
+      const float e = expf(logits[g * span + i] - qk_max[g]);
+      logits[g * span + i] = e;
+      exp_sum[g] += e;
+    }
   }
-  exp_sum = block_reduce<NUM_WARPS, false>(exp_sum, red_s);
-  const float inv_sum = 1.f / (exp_sum + SOFTMAX_EPS);
-  for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[i] *= inv_sum;
-  if (PARTITION > 0 && threadIdx.x == 0) {
-    const int64_t idx = ((int64_t)seq * num_heads + head) * num_partitions + part;
-    max_logits[idx] = qk_max;
-    exp_sums[idx] = exp_sum;
+  block_reduce_group<NUM_WARPS, GROUP, false>(exp_sum, red_s);
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    const float inv_sum = 1.f / (exp_sum[g] + SOFTMAX_EPS);
+    for (int i = threadIdx.x; i < num_tokens; i += NUM_THREADS) logits[g * span + i] *= inv_sum;
+    if (PARTITION > 0 && threadIdx.x == 0) {
+      const int64_t idx = ((int64_t)seq * num_heads + first_head + g) * num_partitions + part;
+      max_logits[idx] = qk_max[g];
+      exp_sums[idx] = exp_sum[g];
+    }
   }
   __syncthreads();
 
@@ -135,16 +159,21 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   constexpr int ROWS_PER_ITER = WARP_SIZE / VECS_PER_ROW; // dimensions a warp covers at once
   constexpr int ROWS_PER_THREAD = cdiv(HEAD_SIZE, ROWS_PER_ITER);
   const int first_token = (lane % VECS_PER_ROW) * V_VEC;  // of the block, for this lane
-  float acc[ROWS_PER_THREAD];
+  float acc[GROUP][ROWS_PER_THREAD];
 #pragma unroll
-  for (int r = 0; r < ROWS_PER_THREAD; ++r) acc[r] = 0.f;
+  for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_THREAD; ++r) acc[g][r] = 0.f;
 
   for (int b = start_block + warp; b < end_block; b += NUM_WARPS) {
     const int64_t physical = table[b];
     const int token0 = b * BLOCK_SIZE + first_token;
-    float p[V_VEC];
+    const bool last = b == seq_blocks - 1;                // only the final block can be partial
+    float p[GROUP][V_VEC];
 #pragma unroll
-    for (int j = 0; j < V_VEC; ++j) p[j] = logits[token0 - start_token + j];
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+      for (int j = 0; j < V_VEC; ++j) p[g][j] = logits[g * span + token0 - start_token + j];
     // Row d of the [D, B] panel holds dimension d of all the block's tokens.
     const scalar_t* v_ptr = v_cache + physical * kv_block_stride + kv_head * kv_head_stride + first_token;
 #pragma unroll
@@ -152,32 +181,37 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
       const int row = lane / VECS_PER_ROW + r * ROWS_PER_ITER;
       if (row < HEAD_SIZE) {
         const Vec<scalar_t, V_VEC> v = load_vec<scalar_t, V_VEC>(v_ptr + row * BLOCK_SIZE);
+        float vf[V_VEC];
 #pragma unroll
         for (int j = 0; j < V_VEC; ++j) {
           // Slots past seq_len hold whatever was there (maybe NaN bits): p = 0 is not enough.
-          if (token0 + j < seq_len) acc[r] += p[j] * to_float(v.e[j]);
+          vf[j] = (last && token0 + j >= seq_len) ? 0.f : to_float(v.e[j]);
         }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+          for (int j = 0; j < V_VEC; ++j) acc[g][r] += p[g][j] * vf[j];
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < ROWS_PER_THREAD; ++r) acc[r] = warp_sum<VECS_PER_ROW>(acc[r]);
-  if (lane % VECS_PER_ROW == 0) {
+  for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; ++r) {
+      const float sum = warp_sum<VECS_PER_ROW>(acc[g][r]);   // lanes that own the same dimension
       const int row = lane / VECS_PER_ROW + r * ROWS_PER_ITER;
-      if (row < HEAD_SIZE) out_s[warp][row] = acc[r];
+      if (lane % VECS_PER_ROW == 0 && row < HEAD_SIZE) out_s[warp][g][row] = sum;
     }
   }
   __syncthreads();
-  const int64_t out_row = PARTITION > 0 ? ((int64_t)seq * num_heads + head) * num_partitions + part
-                                        : (int64_t)seq * num_heads + head;
-  scalar_t* out_ptr = out + out_row * HEAD_SIZE;
-  for (int d = threadIdx.x; d < HEAD_SIZE; d += NUM_THREADS) {
+  for (int i = threadIdx.x; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
+    const int g = i / HEAD_SIZE, d = i % HEAD_SIZE;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) sum += out_s[w][d];
-    out_ptr[d] = from_float<scalar_t>(sum);
+    for (int w = 0; w < NUM_WARPS; ++w) sum += out_s[w][g][d];
+    const int64_t head_row = (int64_t)seq * num_heads + first_head + g;
+    const int64_t out_row = PARTITION > 0 ? head_row * num_partitions + part : head_row;
+    out[out_row * HEAD_SIZE + d] = from_float<scalar_t>(sum);
   }
 }
 
@@ -221,11 +255,15 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
 }
 
 // ---- Host side ----------------------------------------------------------------------------------
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE>
+// Shared memory a launch needs: the dynamic scores (GROUP heads x the tokens of the longest
+// sequence or of one partition) next to the kernel's static arrays.
+inline size_t scores_bytes(int group, int tokens) { return (size_t)group * tokens * sizeof(float); }
+
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int GROUP>
 void launch_paged_attention(const AttentionArgs& a) {
-  const int num_seqs = a.query.size(0), num_heads = a.query.size(1);
   const c10::cuda::OptionalCUDAGuard guard(device_of(a.query));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int num_seqs = a.query.size(0), num_heads = a.query.size(1);
   const float* alibi = a.alibi_slopes.has_value() ? a.alibi_slopes->data_ptr<float>() : nullptr;
   auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<scalar_t*>(t.data_ptr()); };
   const auto* q = ptr(a.query);
@@ -235,66 +273,59 @@ void launch_paged_attention(const AttentionArgs& a) {
   const int* lens = a.seq_lens.data_ptr<int>();
   const int max_blocks = a.block_tables.size(1);
   const float scale = static_cast<float>(a.scale);
+  const dim3 heads_and_seqs(num_heads / GROUP, num_seqs);
   if (!a.v2) {
-    // v1 keeps a score per token of the longest sequence in shared memory.
-    auto kernel = paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, 0>;
-    const size_t smem = (size_t)cdiv(a.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE * sizeof(float);
-    cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    int device = 0, optin = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const size_t limit = (size_t)optin - attr.sharedSizeBytes;
-    TORCH_CHECK(smem <= limit, "paged_attention_v1 keeps one float per token in shared memory: max_seq_len ",
-                a.max_seq_len, " needs ", smem, " bytes, this GPU allows ", limit, "; use paged_attention_v2");
+    // v1 keeps a score per token of the longest sequence (per head) in shared memory.
+    auto kernel = paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, 0, GROUP>;
+    const size_t smem = scores_bytes(GROUP, cdiv(a.max_seq_len, BLOCK_SIZE) * BLOCK_SIZE);
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     }
-    kernel<<<dim3(num_heads, num_seqs, 1), NUM_THREADS, smem, stream>>>(
+    kernel<<<heads_and_seqs, NUM_THREADS, smem, stream>>>(
         nullptr, nullptr, ptr(a.out), q, k, v, a.num_kv_heads, scale, tables, lens, max_blocks, alibi,
         a.query.stride(0), a.query.stride(1), a.key_cache.stride(0), a.key_cache.stride(1));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     const int num_partitions = cdiv(a.max_seq_len, PARTITION_SIZE);
-    paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE>
-        <<<dim3(num_heads, num_seqs, num_partitions), NUM_THREADS, PARTITION_SIZE * sizeof(float), stream>>>(
+    paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, PARTITION_SIZE, GROUP>
+        <<<dim3(num_heads / GROUP, num_seqs, num_partitions), NUM_THREADS, scores_bytes(GROUP, PARTITION_SIZE),
+           stream>>>(
             a.exp_sums.data_ptr<float>(), a.max_logits.data_ptr<float>(), ptr(a.tmp_out), q, k, v,
             a.num_kv_heads, scale, tables, lens, max_blocks, alibi, a.query.stride(0), a.query.stride(1),
             a.key_cache.stride(0), a.key_cache.stride(1));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // The weights' array is padded to whole float4s: the compiler may read it four at a time.
     const size_t reduce_smem = (size_t)(cdiv(num_partitions, 4) + 1) * 4 * sizeof(float);
-    paged_attention_v2_reduce_kernel<scalar_t>
-        <<<dim3(num_heads, num_seqs), NUM_THREADS, reduce_smem, stream>>>(
-            ptr(a.out), a.exp_sums.data_ptr<float>(), a.max_logits.data_ptr<float>(), ptr(a.tmp_out), lens,
-            num_partitions, HEAD_SIZE);
+    paged_attention_v2_reduce_kernel<scalar_t><<<dim3(num_heads, num_seqs), NUM_THREADS, reduce_smem, stream>>>(
+        ptr(a.out), a.exp_sums.data_ptr<float>(), a.max_logits.data_ptr<float>(), ptr(a.tmp_out), lens,
+        num_partitions, HEAD_SIZE);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 // The compiled (head size, block size) pairs: spec §5.6's lists.
-template <typename scalar_t, int HEAD_SIZE>
+template <typename scalar_t, int GROUP, int HEAD_SIZE>
 void dispatch_block_size(const AttentionArgs& a) {
   switch (a.block_size) {
-    case 8: return launch_paged_attention<scalar_t, HEAD_SIZE, 8>(a);
-    case 16: return launch_paged_attention<scalar_t, HEAD_SIZE, 16>(a);
-    case 32: return launch_paged_attention<scalar_t, HEAD_SIZE, 32>(a);
+    case 8: return launch_paged_attention<scalar_t, HEAD_SIZE, 8, GROUP>(a);
+    case 16: return launch_paged_attention<scalar_t, HEAD_SIZE, 16, GROUP>(a);
+    case 32: return launch_paged_attention<scalar_t, HEAD_SIZE, 32, GROUP>(a);
     default: TORCH_CHECK(false, "Unsupported block size: ", a.block_size);
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int GROUP>
 void dispatch_paged_attention(const AttentionArgs& a) {
   switch (a.query.size(2)) {
-    case 32: return dispatch_block_size<scalar_t, 32>(a);
-    case 64: return dispatch_block_size<scalar_t, 64>(a);
-    case 80: return dispatch_block_size<scalar_t, 80>(a);
-    case 96: return dispatch_block_size<scalar_t, 96>(a);
-    case 112: return dispatch_block_size<scalar_t, 112>(a);
-    case 120: return dispatch_block_size<scalar_t, 120>(a);
-    case 128: return dispatch_block_size<scalar_t, 128>(a);
-    case 192: return dispatch_block_size<scalar_t, 192>(a);
-    case 256: return dispatch_block_size<scalar_t, 256>(a);
+    case 32: return dispatch_block_size<scalar_t, GROUP, 32>(a);
+    case 64: return dispatch_block_size<scalar_t, GROUP, 64>(a);
+    case 80: return dispatch_block_size<scalar_t, GROUP, 80>(a);
+    case 96: return dispatch_block_size<scalar_t, GROUP, 96>(a);
+    case 112: return dispatch_block_size<scalar_t, GROUP, 112>(a);
+    case 120: return dispatch_block_size<scalar_t, GROUP, 120>(a);
+    case 128: return dispatch_block_size<scalar_t, GROUP, 128>(a);
+    case 192: return dispatch_block_size<scalar_t, GROUP, 192>(a);
+    case 256: return dispatch_block_size<scalar_t, GROUP, 256>(a);
     default: TORCH_CHECK(false, "Unsupported head size: ", a.query.size(2));
   }
 }

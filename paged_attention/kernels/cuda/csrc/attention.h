@@ -1,5 +1,4 @@
-// The host-side interface of the paged-attention kernels: one argument bundle, one entry point
-// per element type (each compiled in its own file so that the three build in parallel).
+// The host-side interface of the paged-attention kernels: one argument bundle and the entry point.
 #pragma once
 
 #include <torch/extension.h>
@@ -24,8 +23,12 @@ struct AttentionArgs {
   bool v2;
 };
 
-void paged_attention_float(const AttentionArgs& a);
-void paged_attention_half(const AttentionArgs& a);
-void paged_attention_bfloat16(const AttentionArgs& a);
+// Entry point: picks how many query heads a thread block takes, then the compiled instance.
+void paged_attention(const AttentionArgs& a);
+
+// One instance per (element type, heads per thread block), each in its own file
+// (attention_<type>_g<GROUP>.cu) so that they compile in parallel.
+template <typename scalar_t, int GROUP>
+void dispatch_paged_attention(const AttentionArgs& a);
 
 }  // namespace paged_attention

@@ -18,7 +18,7 @@ void swap_blocks(torch::Tensor src, torch::Tensor dst, int64_t block_size_in_byt
                  torch::Tensor block_mapping);
 
 // v1 when exp_sums/max_logits/tmp_out are None, v2 otherwise.
-void paged_attention(torch::Tensor out, c10::optional<torch::Tensor> exp_sums,
+void paged_attention_op(torch::Tensor out, c10::optional<torch::Tensor> exp_sums,
                      c10::optional<torch::Tensor> max_logits, c10::optional<torch::Tensor> tmp_out,
                      torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      int64_t num_kv_heads, double scale, torch::Tensor block_tables,
@@ -42,12 +42,7 @@ void paged_attention(torch::Tensor out, c10::optional<torch::Tensor> exp_sums,
   a.scale = scale;
   a.block_size = block_size;
   a.max_seq_len = max_seq_len;
-  switch (query.scalar_type()) {
-    case at::kFloat: return paged_attention_float(a);
-    case at::kHalf: return paged_attention_half(a);
-    case at::kBFloat16: return paged_attention_bfloat16(a);
-    default: TORCH_CHECK(false, "Unsupported query dtype: ", query.scalar_type());
-  }
+  paged_attention(a);
 }
 
 }  // namespace paged_attention
@@ -58,5 +53,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache_flash", &paged_attention::reshape_and_cache_flash);
   m.def("copy_blocks", &paged_attention::copy_blocks);
   m.def("swap_blocks", &paged_attention::swap_blocks);
-  m.def("paged_attention", &paged_attention::paged_attention);
+  m.def("paged_attention", &paged_attention::paged_attention_op);
 }

@@ -71,17 +71,32 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum or max over a whole thread block; every thread gets the result. `scratch` holds one float
-// per warp and may be reused by the next call (the leading barrier protects it).
+// Sum or max over a whole thread block of GROUP values at once; every thread gets the results.
+// `scratch` holds NUM_WARPS * GROUP floats and may be reused by the next call (the leading
+// barrier protects it).
+template <int NUM_WARPS, int GROUP, bool IS_MAX>
+__device__ __forceinline__ void block_reduce_group(float (&v)[GROUP], float* scratch) {
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) v[g] = IS_MAX ? warp_max<WARP_SIZE>(v[g]) : warp_sum<WARP_SIZE>(v[g]);
+  __syncthreads();                       // the previous user of scratch is done with it
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) scratch[warp * GROUP + g] = v[g];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    const float x = lane < NUM_WARPS ? scratch[lane * GROUP + g] : (IS_MAX ? -INFINITY : 0.f);
+    v[g] = IS_MAX ? warp_max<WARP_SIZE>(x) : warp_sum<WARP_SIZE>(x);
+  }
+}
+
 template <int NUM_WARPS, bool IS_MAX>
 __device__ __forceinline__ float block_reduce(float v, float* scratch) {
-  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-  v = IS_MAX ? warp_max<WARP_SIZE>(v) : warp_sum<WARP_SIZE>(v);
-  __syncthreads();                       // the previous user of scratch is done with it
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < NUM_WARPS ? scratch[lane] : (IS_MAX ? -INFINITY : 0.f);
-  return IS_MAX ? warp_max<WARP_SIZE>(v) : warp_sum<WARP_SIZE>(v);
+  float one[1] = {v};
+  block_reduce_group<NUM_WARPS, 1, IS_MAX>(one, scratch);
+  return one[0];
 }
 
 }  // namespace paged_attention

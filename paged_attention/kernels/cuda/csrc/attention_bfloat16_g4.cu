@@ -1,0 +1,6 @@
+// Paged attention v1/v2 for __nv_bfloat16 elements, 4 query head(s) per thread block.
+#include "attention.cuh"
+
+namespace paged_attention {
+template void dispatch_paged_attention<__nv_bfloat16, 4>(const AttentionArgs& a);
+}  // namespace paged_attention
