@@ -192,21 +192,17 @@ CUDA_SHAPES = ((64, 512), (64, 4096), (64, 16384), (4, 32768))
 def _v0_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], object]]:
     """Callables running one decode step of ``p`` with each kernel (index checks off)."""
     from paged_attention.kernels import cuda as ck
-    from paged_attention.kernels.reference import PARTITION_SIZE, flash_to_v0
-    from paged_attention.utils import cdiv
+    from paged_attention.kernels.reference import flash_to_v0, v2_scratch
     key_v0, value_v0 = flash_to_v0(p.key_cache, p.value_cache)
-    num_seqs, num_heads, head_size = p.query.shape
+    head_size = p.query.size(2)
     num_kv_heads, block_size = p.key_cache.size(2), p.key_cache.size(1)
     one = torch.ones(1, device="cuda")
     out = torch.empty_like(p.query)
-    parts = cdiv(context, PARTITION_SIZE)
-    exp_sums = torch.empty(num_seqs, num_heads, parts, device="cuda")
-    max_logits = torch.empty_like(exp_sums)
-    tmp_out = torch.empty(num_seqs, num_heads, parts, head_size, dtype=p.query.dtype, device="cuda")
+    scratch = v2_scratch(p.query, context)
     common = (num_kv_heads, p.scale, p.block_tables, p.seq_lens, block_size, context, None, "auto", one, one)
     runners = {
-        "CUDA v2": lambda: ck.paged_attention_v2(out, exp_sums, max_logits, tmp_out, p.query, key_v0, value_v0,
-                                                 *common, check_ids=False),
+        "CUDA v2": lambda: ck.paged_attention_v2(out, *scratch, p.query, key_v0, value_v0, *common,
+                                                 check_ids=False),
         "Triton": lambda: paged_attention_decode(out, *p.decode_args(), max_seq_len=context, check_ids=False),
     }
     if context <= ck.v1_max_seq_len(head_size):

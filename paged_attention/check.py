@@ -135,11 +135,8 @@ def check_paged_attention_v2(impl) -> None:
         for alibi in (False, True):
             p, expected, key_v0, value_v0 = _v0_problem(dtype, alibi)
             out = torch.empty_like(p.query)
-            parts = (p.query.size(0), p.query.size(1), 2)   # 600 tokens: two 512-token partitions
-            exp_sums = torch.empty(parts, device=runtime.DEVICE)
-            max_logits = torch.empty(parts, device=runtime.DEVICE)
-            tmp_out = torch.empty(*parts, 64, dtype=dtype, device=runtime.DEVICE)
-            impl.paged_attention_v2(out, exp_sums, max_logits, tmp_out, p.query, key_v0, value_v0, 2, p.scale,
+            # 600 tokens: two 512-token partitions
+            impl.paged_attention_v2(out, *ref.v2_scratch(p.query, 600), p.query, key_v0, value_v0, 2, p.scale,
                                     p.block_tables, p.seq_lens, 16, 600, p.alibi_slopes, "auto", _one(), _one())
             assert_close_to_oracle(out, expected, "paged_attention_v2")
 

@@ -217,12 +217,8 @@ def _v1(p, key_v0, value_v0, max_seq_len, impl=ck):
 
 
 def _v2(p, key_v0, value_v0, max_seq_len, impl=ck):
-    num_seqs, num_heads, head_size = p.query.shape
-    parts = cdiv(max_seq_len, PARTITION_SIZE)
     out = torch.full_like(p.query, float("nan"))
-    exp_sums = torch.zeros(num_seqs, num_heads, parts, device="cuda")
-    max_logits = torch.zeros(num_seqs, num_heads, parts, device="cuda")
-    tmp_out = torch.zeros(num_seqs, num_heads, parts, head_size, dtype=p.query.dtype, device="cuda")
+    exp_sums, max_logits, tmp_out = ref.v2_scratch(p.query, max_seq_len)
     impl.paged_attention_v2(out, exp_sums, max_logits, tmp_out, p.query, key_v0, value_v0, p.key_cache.size(2),
                             p.scale, p.block_tables, p.seq_lens, p.key_cache.size(1), max_seq_len, p.alibi_slopes,
                             "auto", _one(), _one())

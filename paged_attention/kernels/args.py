@@ -66,6 +66,14 @@ def shape(name: str, t: torch.Tensor, expected: Iterable[int | None]) -> None:
         raise ValueError(f"{name} must have shape {pretty}, got {list(t.shape)}")
 
 
+def unit_last_stride(**tensors: torch.Tensor) -> None:
+    """Kernels read a head's elements as one contiguous run: the last dimension must have stride 1."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last (head_size) dimension, "
+                             f"got strides {list(t.stride())}")
+
+
 def kv_cache_dtype(name: str, value: object) -> str:
     """Check a ``kv_cache_dtype`` string; return it unchanged."""
     if not isinstance(value, str):

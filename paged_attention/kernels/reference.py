@@ -476,6 +476,14 @@ def check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len: int) -> 
     args.shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
 
 
+def v2_scratch(query: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(exp_sums, max_logits, tmp_out)`` for ``paged_attention_v2`` on this query batch."""
+    num_seqs, num_heads, head_size = query.shape
+    parts = (num_seqs, num_heads, cdiv(max_seq_len, PARTITION_SIZE))
+    exp_sums = torch.empty(parts, dtype=torch.float32, device=query.device)
+    return exp_sums, torch.empty_like(exp_sums), torch.empty(*parts, head_size, dtype=query.dtype, device=query.device)
+
+
 def paged_attention_v1(
     out: torch.Tensor,
     query: torch.Tensor,

@@ -154,9 +154,7 @@ def reshape_and_cache_flash(
     ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                       k_scale, v_scale)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
-    for name, t in (("key", key), ("value", value)):
-        if t.stride(2) != 1:
-            raise ValueError(f"{name} must have a unit stride in head_size, got strides {list(t.stride())}")
+    args.unit_last_stride(key=key, value=value)
     ext.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping.contiguous(),
                                 _KV_CODES[kv_cache_dtype], k_scale, v_scale)
 
@@ -247,8 +245,7 @@ def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tab
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"Unsupported block size: {block_size}; the CUDA kernels are compiled for {BLOCK_SIZES}")
     _on_cuda(query=query)
-    if query.stride(2) != 1:
-        raise ValueError(f"query must have a unit stride in head_size, got strides {list(query.stride())}")
+    args.unit_last_stride(query=query)
     _contiguous(out=out, key_cache=key_cache, value_cache=value_cache)
     if alibi_slopes is not None:
         _contiguous(alibi_slopes=alibi_slopes)

@@ -76,8 +76,7 @@ def reshape_and_cache_flash(
         args.tensor(name, t, dtypes=triton_float_dtypes(key.device))
         if t.dtype != key.dtype:
             raise TypeError(f"{name} must have the key's dtype {key.dtype}, got {t.dtype}")
-    if key.stride(2) != 1 or value.stride(2) != 1:
-        raise ValueError("key and value must have a unit stride in their last (head_size) dimension")
+    args.unit_last_stride(key=key, value=value)
     args.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     args.scale("k_scale", k_scale, key.size(1))
     args.scale("v_scale", v_scale, key.size(1))

@@ -241,8 +241,7 @@ def paged_attention_decode(
     args.tensor("query", query, dtypes=triton_float_dtypes(query.device))
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
-        raise ValueError("query, out, key_cache and value_cache must have a unit stride in head_size")
+    args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
     if max_seq_len is None:
         max_seq_len = longest if longest >= 0 else int(seq_lens.max())
     if num_seqs == 0:
