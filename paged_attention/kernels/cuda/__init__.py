@@ -224,9 +224,9 @@ def swap_blocks(
 
 def v1_max_seq_len(head_size: int, device: torch.device | None = None) -> int:
     """The longest context ``paged_attention_v1`` can take on this GPU: it keeps a float score
-    per token in shared memory, next to the query and a per-warp output row (``attention.cuh``)."""
+    per token in shared memory, next to the query and a reduction scratch (``attention.cuh``)."""
     optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    static = 4 * (head_size + NUM_WARPS * head_size + NUM_WARPS)
+    static = 4 * (head_size + NUM_WARPS)
     return (optin - static) // 4
 
 

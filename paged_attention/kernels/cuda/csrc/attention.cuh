@@ -12,10 +12,13 @@
 //             in 16-byte x-chunks, each lane VEC = x / THREAD_GROUP_SIZE elements of every chunk,
 //             and adds up its partial dot products with shuffles. Scores go to shared memory.
 //   2. softmax over the scores in shared memory (max, exp, sum: block-wide reductions).
-//   3. p . v  Warps again take blocks round-robin. The value cache stores a block's tokens
-//             innermost ([D, B]), so a lane reads V_VEC consecutive tokens of one dimension in
-//             one 16-byte load and accumulates p_j * v_j for the dimensions it owns. Lanes that
-//             own the same dimension are summed with shuffles, warps through shared memory.
+//   3. p . v  Here the warps split the head's dimensions rather than the blocks (vLLM's warps
+//             take blocks round-robin again and add their outputs up through shared memory).
+//             The value cache stores a block's tokens innermost ([D, B]), so a lane reads V_VEC
+//             consecutive tokens of one dimension in one 16-byte load; each warp walks every
+//             block but reads only its own rows, so its sums need no cross-warp step, and a lane
+//             keeps a few accumulators rather than a whole head's worth (fewer registers, more
+//             thread blocks resident per SM, more loads in flight).
 // v2 writes each partition's max score, exp-sum and locally normalised output; a second kernel
 // rescales the partitions to a common maximum and adds them up.
 #pragma once
@@ -36,12 +39,23 @@ constexpr float SOFTMAX_EPS = 1e-6f;     // vLLM's guard in the softmax denomina
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// Thread blocks per SM the compiler must leave registers for: 8 caps a thread at 64 registers.
+// A decode step is bound by how many loads are in flight, and more resident thread blocks put
+// more in flight than a longer unrolled loop per thread does (on an H200, 64 registers gave 0.82
+// of copy bandwidth at batch 64 x 4096 against 0.70 with the 113 the compiler picks alone).
+// A thread's share of a KV block grows with the block's bytes, and so does its register need.
+template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE>
+constexpr int min_blocks_per_sm() {
+  constexpr int bytes = HEAD_SIZE * BLOCK_SIZE * sizeof(scalar_t);   // one head's K (or V) block
+  return bytes <= 4096 ? 8 : bytes <= 8192 ? 4 : 2;
+}
+
 // PARTITION == 0: v1, the whole sequence in one thread block, output straight to `out`.
 // PARTITION  > 0: v2, partition blockIdx.z only, output to tmp_out, exp_sums, max_logits.
 // GROUP: query heads per thread block, all of one KV head (GQA). Each key and value element is
 // loaded and converted once and used for all GROUP heads; GROUP = 1 is vLLM's own mapping.
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION, int GROUP>
-__global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
+__global__ void __launch_bounds__(NUM_THREADS, min_blocks_per_sm<scalar_t, HEAD_SIZE, BLOCK_SIZE>()) paged_attention_kernel(
     float* __restrict__ exp_sums,            // v2: [num_seqs, num_heads, num_partitions]
     float* __restrict__ max_logits,          // v2: [num_seqs, num_heads, num_partitions]
     scalar_t* __restrict__ out,              // v1: out; v2: tmp_out [.., num_partitions, HEAD_SIZE]
@@ -60,6 +74,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   constexpr int VEC = X / THREAD_GROUP_SIZE;                  // elements per lane per chunk
   constexpr int NUM_CHUNKS = HEAD_SIZE / X;                   // x-chunks per key
   static_assert(HEAD_SIZE % X == 0, "head size must be a multiple of x");
+  // Key chunks loaded ahead of use: up to 128 bytes per lane (more only costs registers).
+  constexpr int K_UNROLL = NUM_CHUNKS < 128 / (VEC * (int)sizeof(scalar_t)) ? NUM_CHUNKS : 128 / (VEC * (int)sizeof(scalar_t));
   static_assert(PARTITION % BLOCK_SIZE == 0, "a partition holds whole blocks");
 
   const int first_head = blockIdx.x * GROUP, seq = blockIdx.y, part = blockIdx.z;
@@ -82,10 +98,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   for (int g = 0; g < GROUP; ++g) slope[g] = alibi_slopes == nullptr ? 0.f : alibi_slopes[first_head + g];
   const int* table = block_tables + (int64_t)seq * max_num_blocks_per_seq;
 
-  extern __shared__ float logits[];        // [GROUP][span]: a score, then a probability, per token
+  extern __shared__ __align__(16) float logits[];      // [GROUP][span]: a score, then a probability, per token
   __shared__ __align__(32) float q_s[GROUP][HEAD_SIZE];
   __shared__ float red_s[NUM_WARPS * GROUP];
-  __shared__ float out_s[NUM_WARPS][GROUP][HEAD_SIZE];
 
   for (int i = threadIdx.x; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
     const int g = i / HEAD_SIZE, d = i % HEAD_SIZE;
@@ -107,7 +122,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
     float qk[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) qk[g] = 0.f;
-#pragma unroll
+#pragma unroll K_UNROLL
     for (int c = 0; c < NUM_CHUNKS; ++c) {
       const Vec<scalar_t, VEC> k = load_vec<scalar_t, VEC>(k_ptr + c * BLOCK_SIZE * X);
 #pragma unroll
@@ -154,64 +169,78 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
   __syncthreads();
 
   // ---- 3. Output: sum_j p_j v_j ---------------------------------------------------------------
+  // Here the warps split the head's dimensions instead of the blocks: every warp walks all of the
+  // blocks, but reads only its own rows of each [D, B] value panel, so its sums are final (no
+  // cross-warp reduction) and a lane keeps a few accumulators instead of a whole head's worth.
+  // A "row pass" is what a warp covers with one load per lane: ROWS_PER_PASS rows, VECS_PER_ROW
+  // lanes per row, each lane V_VEC consecutive tokens (one 16-byte load). Passes go round-robin
+  // to the warps (warp w: passes w, w + 4, ...).
   constexpr int V_VEC = (16 / sizeof(scalar_t)) < BLOCK_SIZE ? 16 / sizeof(scalar_t) : BLOCK_SIZE;
-  constexpr int VECS_PER_ROW = BLOCK_SIZE / V_VEC;        // lanes sharing one dimension's row
-  constexpr int ROWS_PER_ITER = WARP_SIZE / VECS_PER_ROW; // dimensions a warp covers at once
-  constexpr int ROWS_PER_THREAD = cdiv(HEAD_SIZE, ROWS_PER_ITER);
-  const int first_token = (lane % VECS_PER_ROW) * V_VEC;  // of the block, for this lane
-  float acc[GROUP][ROWS_PER_THREAD];
+  constexpr int VECS_PER_ROW = BLOCK_SIZE / V_VEC;          // lanes sharing one dimension's row
+  constexpr int ROWS_PER_PASS = WARP_SIZE / VECS_PER_ROW;   // dimensions a warp covers per load
+  constexpr int ROW_PASSES = cdiv(HEAD_SIZE, ROWS_PER_PASS);
+  constexpr int PASSES_PER_WARP = cdiv(ROW_PASSES, NUM_WARPS);
+  // Blocks whose loads are issued before any is used: about four 16-byte loads per lane.
+  constexpr int UNROLL = cdiv(4, PASSES_PER_WARP);
+  const int first_token = (lane % VECS_PER_ROW) * V_VEC;  // of each block, for this lane
+  int row[PASSES_PER_WARP];
+  float acc[GROUP][PASSES_PER_WARP];
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g)
+  for (int r = 0; r < PASSES_PER_WARP; ++r) {
+    const int pass = warp + r * NUM_WARPS;
+    row[r] = pass < ROW_PASSES ? pass * ROWS_PER_PASS + lane / VECS_PER_ROW : HEAD_SIZE;
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_THREAD; ++r) acc[g][r] = 0.f;
-
-  for (int b = start_block + warp; b < end_block; b += NUM_WARPS) {
-    const int64_t physical = table[b];
-    const int token0 = b * BLOCK_SIZE + first_token;
-    const bool last = b == seq_blocks - 1;                // only the final block can be partial
-    float p[GROUP][V_VEC];
+    for (int g = 0; g < GROUP; ++g) acc[g][r] = 0.f;
+  }
+  const scalar_t* v_head = v_cache + kv_head * kv_head_stride + first_token;
+  for (int b0 = start_block; b0 < end_block; b0 += UNROLL) {
+    // Issue the loads of UNROLL blocks first: a warp then has several 16-byte loads in flight
+    // per lane, which is what hides the memory latency.
+    Vec<scalar_t, V_VEC> v[UNROLL][PASSES_PER_WARP];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g)
+    for (int u = 0; u < UNROLL; ++u) {
+      const bool in = b0 + u < end_block;
+      const int64_t physical = in ? table[b0 + u] : 0;
 #pragma unroll
-      for (int j = 0; j < V_VEC; ++j) p[g][j] = logits[g * span + token0 - start_token + j];
-    // Row d of the [D, B] panel holds dimension d of all the block's tokens.
-    const scalar_t* v_ptr = v_cache + physical * kv_block_stride + kv_head * kv_head_stride + first_token;
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_THREAD; ++r) {
-      const int row = lane / VECS_PER_ROW + r * ROWS_PER_ITER;
-      if (row < HEAD_SIZE) {
-        const Vec<scalar_t, V_VEC> v = load_vec<scalar_t, V_VEC>(v_ptr + row * BLOCK_SIZE);
-        float vf[V_VEC];
-#pragma unroll
-        for (int j = 0; j < V_VEC; ++j) {
-          // Slots past seq_len hold whatever was there (maybe NaN bits): p = 0 is not enough.
-          vf[j] = (last && token0 + j >= seq_len) ? 0.f : to_float(v.e[j]);
+      for (int r = 0; r < PASSES_PER_WARP; ++r) {
+        // Row d of the [D, B] panel holds dimension d of all the block's tokens.
+        if (in && row[r] < HEAD_SIZE) {
+          v[u][r] = load_vec<scalar_t, V_VEC>(v_head + physical * kv_block_stride + row[r] * BLOCK_SIZE);
         }
+      }
+    }
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g)
+    for (int u = 0; u < UNROLL; ++u) {
+      const int b = b0 + u;
+      if (b >= end_block) break;
+      const int token0 = b * BLOCK_SIZE + first_token;
+      const bool last = b == seq_blocks - 1;              // only the final block can be partial
 #pragma unroll
-          for (int j = 0; j < V_VEC; ++j) acc[g][r] += p[g][j] * vf[j];
+      for (int g = 0; g < GROUP; ++g) {
+        const Vec<float, V_VEC> p = load_vec<float, V_VEC>(&logits[g * span + token0 - start_token]);
+#pragma unroll
+        for (int r = 0; r < PASSES_PER_WARP; ++r) {
+#pragma unroll
+          for (int j = 0; j < V_VEC; ++j) {
+            // Slots past seq_len hold whatever was there (maybe NaN bits): p = 0 is not enough.
+            const float vf = (last && token0 + j >= seq_len) ? 0.f : to_float(v[u][r].e[j]);
+            acc[g][r] += p.e[j] * vf;
+          }
+        }
       }
     }
   }
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_THREAD; ++r) {
-      const float sum = warp_sum<VECS_PER_ROW>(acc[g][r]);   // lanes that own the same dimension
-      const int row = lane / VECS_PER_ROW + r * ROWS_PER_ITER;
-      if (lane % VECS_PER_ROW == 0 && row < HEAD_SIZE) out_s[warp][g][row] = sum;
+    for (int r = 0; r < PASSES_PER_WARP; ++r) {
+      const float sum = warp_sum<VECS_PER_ROW>(acc[g][r]);   // lanes that own the same row
+      if (lane % VECS_PER_ROW == 0 && row[r] < HEAD_SIZE) {
+        const int64_t head_row = (int64_t)seq * num_heads + first_head + g;
+        const int64_t out_row = PARTITION > 0 ? head_row * num_partitions + part : head_row;
+        out[out_row * HEAD_SIZE + row[r]] = from_float<scalar_t>(sum);
+      }
     }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < GROUP * HEAD_SIZE; i += NUM_THREADS) {
-    const int g = i / HEAD_SIZE, d = i % HEAD_SIZE;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) sum += out_s[w][g][d];
-    const int64_t head_row = (int64_t)seq * num_heads + first_head + g;
-    const int64_t out_row = PARTITION > 0 ? head_row * num_partitions + part : head_row;
-    out[out_row * HEAD_SIZE + d] = from_float<scalar_t>(sum);
   }
 }
 

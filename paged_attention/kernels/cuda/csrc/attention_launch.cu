@@ -22,8 +22,8 @@ int choose_group(const AttentionArgs& a) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const size_t tokens = (size_t)(a.max_seq_len + a.block_size - 1) / a.block_size * a.block_size;
-  // scores + q_s + out_s + red_s for 4 heads, plus alignment slack
-  const size_t need = sizeof(float) * (4 * tokens + 4 * head_size * (1 + kNumWarps) + 4 * kNumWarps) + 64;
+  // scores + q_s + red_s for 4 heads, plus alignment slack
+  const size_t need = sizeof(float) * (4 * tokens + 4 * head_size + 4 * kNumWarps) + 64;
   return need <= (size_t)optin ? 4 : 1;
 }
 }  // namespace
