@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # JupyterLab refuses to start as root unless told that it is fine.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test check bench clean-venv
+.PHONY: lab test check bench vllm-kernels clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,10 @@ check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py
+
+# vLLM's compiled kernels, packed for a GPU machine (README: "vLLM's own kernels").
+vllm-kernels: $(STAMP)
+	$(PY) tools/vllm_kernels.py fetch --dest vllm-kernels
 
 clean-venv:
 	rm -rf $(VENV)

@@ -128,6 +128,7 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
     header = f"{'batch':>5} {'context':>7} {'splits':>6} {'time us':>9} {'KV TB/s':>8} {'fraction':>8} {'read flush':>10}"
     if identity:
         header += f" {'identity us':>11} {'shuffled/identity':>17}"
+    header += f" {'vLLM FA3 us':>11} {'FA3 fraction':>12}"
     print_fn(header)
     rows = []
     for batch, context in shapes:
@@ -137,6 +138,10 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
             row["shuffled" if shuffle else "identity"] = time_decode(p, context)
             if shuffle:
                 row["shuffled_read"] = time_decode(p, context, flush="read")
+                fa3 = _fa3_runner(p, context)
+                if fa3 is not None:   # vLLM's production kernel on the same problem, same run
+                    row["fa3_ms"] = graph_time_ms(fa3)
+                    row["fa3_fraction"] = p.kv_bytes_read / (row["fa3_ms"] * 1e-3) / copy_bw
             del p
         t = row["shuffled"]
         row["fraction"] = t.bandwidth / copy_bw
@@ -146,6 +151,8 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
         if identity:
             row["slowdown"] = t.ms / row["identity"].ms
             line += f" {row['identity'].ms * 1e3:>11.1f} {row['slowdown']:>17.3f}"
+        line += (f" {row['fa3_ms'] * 1e3:>11.1f} {row['fa3_fraction']:>12.2f}" if "fa3_ms" in row
+                 else f" {'-':>11} {'-':>12}")
         print_fn(line)
         rows.append(row)
         torch.cuda.empty_cache()
@@ -207,7 +214,19 @@ def _v0_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], object
     }
     if context <= ck.v1_max_seq_len(head_size):
         runners["CUDA v1"] = lambda: ck.paged_attention_v1(out, p.query, key_v0, value_v0, *common, check_ids=False)
+    fa3 = _fa3_runner(p, context, out)
+    if fa3 is not None:
+        runners["vLLM FA3"] = fa3
     return runners
+
+
+def _fa3_runner(p: DecodeProblem, context: int, out: torch.Tensor | None = None) -> Callable[[], object] | None:
+    """vLLM's FA3 decode on ``p`` (flash layout), or None where vLLM's kernels are not found."""
+    from paged_attention.kernels import vllm
+    if not vllm.available()[0]:
+        return None
+    out = torch.empty_like(p.query) if out is None else out
+    return lambda: vllm.paged_attention_decode(out, *p.decode_args(), max_seq_len=context, check_ids=False)
 
 
 def cuda_attention_table(shapes=CUDA_SHAPES, print_fn=print) -> list[dict]:
@@ -217,8 +236,8 @@ def cuda_attention_table(shapes=CUDA_SHAPES, print_fn=print) -> list[dict]:
     print_fn(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s")
     print_fn("model: 32 query heads / 8 KV heads, head size 128, block size 16, bf16, v0 layout; "
              "CUDA-graph replays, L2 flushed before each")
-    names = ("CUDA v1", "CUDA v2", "Triton")
-    print_fn(f"{'batch':>5} {'context':>7} " + " ".join(f"{n + ' us':>11} {'frac':>5}" for n in names))
+    names = ("CUDA v1", "CUDA v2", "Triton", "vLLM FA3")
+    print_fn(f"{'batch':>5} {'context':>7} " + " ".join(f"{n + ' us':>12} {'frac':>5}" for n in names))
     rows = []
     for batch, context in shapes:
         p = make_decode_problem([context] * batch, device="cuda", **MODEL)
@@ -226,7 +245,7 @@ def cuda_attention_table(shapes=CUDA_SHAPES, print_fn=print) -> list[dict]:
         for name, run in _v0_runners(p, context).items():
             ms = graph_time_ms(run)
             row[name] = (ms, p.kv_bytes_read / (ms * 1e-3) / copy_bw)
-        cells = [f"{row[n][0] * 1e3:>11.1f} {row[n][1]:>5.2f}" if n in row else f"{'-':>11} {'-':>5}" for n in names]
+        cells = [f"{row[n][0] * 1e3:>12.1f} {row[n][1]:>5.2f}" if n in row else f"{'-':>12} {'-':>5}" for n in names]
         print_fn(f"{batch:>5} {context:>7} " + " ".join(cells))
         rows.append(row)
         del p
@@ -236,7 +255,8 @@ def cuda_attention_table(shapes=CUDA_SHAPES, print_fn=print) -> list[dict]:
 
 def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: int = 8,
                  print_fn=print) -> tuple[list[int], dict[str, list[float]]]:
-    """Decode time (µs) against context length for CUDA v1, v2, Triton and a contiguous SDPA floor.
+    """Decode time (µs) against context length for CUDA v1, v2, Triton, vLLM's FA3 (where its
+    library is found) and a contiguous SDPA floor.
 
     The floor is ``torch.nn.functional.scaled_dot_product_attention`` on the same keys and
     values gathered into contiguous ``[batch, kv_heads, context, head_size]`` tensors: attention
@@ -247,17 +267,20 @@ def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: in
     import torch.nn.functional as F
     from paged_attention.kernels.reference import gather_kv
     warm_up()
-    times: dict[str, list[float]] = {"CUDA v1": [], "CUDA v2": [], "Triton": [], "SDPA (contiguous)": []}
+    times: dict[str, list[float]] = {"CUDA v1": [], "CUDA v2": [], "Triton": [], "vLLM FA3": [], "SDPA (contiguous)": []}
     for context in contexts:
         p = make_decode_problem([context] * batch, device="cuda", **MODEL)
-        for name, run in _v0_runners(p, context).items():
-            times[name].append(graph_time_ms(run) * 1e3)
+        runners = _v0_runners(p, context)
+        for name in ("CUDA v1", "CUDA v2", "Triton", "vLLM FA3"):   # None: cannot run this context here
+            times[name].append(graph_time_ms(runners[name]) * 1e3 if name in runners else None)
         k, v = (torch.stack([t.transpose(0, 1) for t in kv]) for kv in
                 zip(*(gather_kv(p.key_cache, p.value_cache, p.block_tables[s], context) for s in range(batch))))
         q = p.query.unsqueeze(2)                                  # [batch, heads, 1, head_size]
         times["SDPA (contiguous)"].append(
             graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=p.scale, enable_gqa=True)) * 1e3)
-        print_fn(f"context {context:>6}: " + "  ".join(f"{n} {t[-1]:.1f} us" for n, t in times.items() if t))
+        print_fn(f"context {context:>6}: " + "  ".join(f"{n} {t[-1]:.1f} us" for n, t in times.items()
+                                                        if t and t[-1] is not None))
         del p, k, v
         torch.cuda.empty_cache()
-    return list(contexts), times
+    # A kernel that ran nowhere (vLLM's FA3 where its library is not found) is left out.
+    return list(contexts), {name: t for name, t in times.items() if any(x is not None for x in t)}

@@ -1,7 +1,7 @@
 """``python -m paged_attention check``: is every kernel right on this machine?
 
 It prints the machine, then one row per kernel with one column per implementation (plain-torch
-reference, Triton, CUDA), each ``ok``, ``FAILED`` (with the error) or ``skipped`` (with the
+reference, Triton, our CUDA, vLLM's own kernels where they are found), each ``ok``, ``FAILED`` (with the error) or ``skipped`` (with the
 reason), and exits non-zero if anything failed. A teacher runs it on every lab machine.
 
 Each check is written once, against the functions' common signature, and run against every
@@ -18,12 +18,15 @@ from typing import Callable
 import torch
 
 from paged_attention import runtime
+from paged_attention.kernels import args
 from paged_attention.kernels import reference as ref
+from paged_attention.kernels.cuda import CudaUnavailableError
+from paged_attention.kernels.vllm import VllmUnavailableError
 from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
 
 KERNELS = ("reshape_and_cache", "reshape_and_cache_flash", "copy_blocks", "swap_blocks",
            "paged_attention_v1", "paged_attention_v2", "paged_attention_decode")
-IMPLEMENTATIONS = ("reference", "triton", "cuda")
+IMPLEMENTATIONS = ("reference", "triton", "cuda", "vllm")
 
 
 def _dtypes() -> list[torch.dtype]:
@@ -142,8 +145,13 @@ def check_paged_attention_v2(impl) -> None:
 
 
 def check_paged_attention_decode(impl) -> None:
-    for dtype in _dtypes():
-        for layout, alibi, splits in (("NHD", False, None), ("HND", True, None), ("NHD", False, 3)):
+    # vLLM's FA3 runs in 16 bits and has no ALiBi: it declares what it takes.
+    dtypes = [d for d in _dtypes() if d in getattr(impl, "DECODE_DTYPES", args.FLOAT_DTYPES)]
+    for dtype in dtypes:
+        for layout, alibi, splits in (("NHD", False, None), ("HND", False, None), ("HND", True, None),
+                                      ("NHD", False, 3)):
+            if alibi and not getattr(impl, "DECODE_ALIBI", True):
+                continue
             p = make_decode_problem([1, 37, 16, 600], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                                     dtype=dtype, device=runtime.DEVICE, layout=layout, alibi=alibi, seed=4)
             out = torch.empty_like(p.query)
@@ -156,11 +164,12 @@ CHECKS: dict[str, Callable] = {name: globals()[f"check_{name}"] for name in KERN
 
 def _load(impl_name: str):
     """The implementation's module, or the reason it cannot run here."""
-    if impl_name == "cuda" and not runtime.HAS_CUDA:
+    if impl_name in ("cuda", "vllm") and not runtime.HAS_CUDA:
         return None, "no CUDA device: use the Triton or reference kernels"
     module = {"reference": "paged_attention.kernels.reference",
               "triton": "paged_attention.kernels.triton",
-              "cuda": "paged_attention.kernels.cuda"}[impl_name]
+              "cuda": "paged_attention.kernels.cuda",
+              "vllm": "paged_attention.kernels.vllm"}[impl_name]
     try:
         return importlib.import_module(module), None
     except ModuleNotFoundError as e:
@@ -189,6 +198,8 @@ def run_checks() -> dict[tuple[str, str], tuple[str, str]]:
                 try:
                     CHECKS[kernel](impl)
                     results[kernel, impl_name] = ("ok", "")
+                except (CudaUnavailableError, VllmUnavailableError) as e:   # not built / not found here
+                    results[kernel, impl_name] = ("skipped", str(e))
                 except Exception as e:
                     detail = "".join(traceback.format_exception_only(type(e), e)).strip()
                     results[kernel, impl_name] = ("FAILED", detail)
