@@ -199,21 +199,16 @@ CUDA_SHAPES = ((64, 512), (64, 4096), (64, 16384), (4, 32768))
 def _v0_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], object]]:
     """Callables running one decode step of ``p`` with each kernel (index checks off)."""
     from paged_attention.kernels import cuda as ck
-    from paged_attention.kernels.reference import flash_to_v0, v2_scratch
-    key_v0, value_v0 = flash_to_v0(p.key_cache, p.value_cache)
-    head_size = p.query.size(2)
-    num_kv_heads, block_size = p.key_cache.size(2), p.key_cache.size(1)
-    one = torch.ones(1, device="cuda")
+    from paged_attention.kernels.reference import v0_decode_args, v2_scratch
     out = torch.empty_like(p.query)
     scratch = v2_scratch(p.query, context)
-    common = (num_kv_heads, p.scale, p.block_tables, p.seq_lens, block_size, context, None, "auto", one, one)
+    v0_args = v0_decode_args(*p.decode_args(), max_seq_len=context)
     runners = {
-        "CUDA v2": lambda: ck.paged_attention_v2(out, *scratch, p.query, key_v0, value_v0, *common,
-                                                 check_ids=False),
+        "CUDA v2": lambda: ck.paged_attention_v2(out, *scratch, *v0_args, check_ids=False),
         "Triton": lambda: paged_attention_decode(out, *p.decode_args(), max_seq_len=context, check_ids=False),
     }
-    if context <= ck.v1_max_seq_len(head_size):
-        runners["CUDA v1"] = lambda: ck.paged_attention_v1(out, p.query, key_v0, value_v0, *common, check_ids=False)
+    if context <= ck.v1_max_seq_len(p.query.size(2)):
+        runners["CUDA v1"] = lambda: ck.paged_attention_v1(out, *v0_args, check_ids=False)
     fa3 = _fa3_runner(p, context, out)
     if fa3 is not None:
         runners["vLLM FA3"] = fa3

@@ -116,31 +116,27 @@ def check_swap_blocks(impl) -> None:
 
 
 def _v0_problem(dtype, alibi):
+    """600 tokens at most (two 512-token v2 partitions): the problem, its oracle, v1's arguments."""
     p = make_decode_problem([1, 37, 16, 600], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                             dtype=dtype, device=runtime.DEVICE, alibi=alibi, seed=3)
-    expected = ref.ref_decode_attention(*p.decode_args())
-    key_v0, value_v0 = ref.flash_to_v0(p.key_cache, p.value_cache)
-    return p, expected, key_v0, value_v0
+    return p, ref.ref_decode_attention(*p.decode_args()), ref.v0_decode_args(*p.decode_args(), max_seq_len=600)
 
 
 def check_paged_attention_v1(impl) -> None:
     for dtype in _dtypes():
         for alibi in (False, True):
-            p, expected, key_v0, value_v0 = _v0_problem(dtype, alibi)
+            p, expected, v0_args = _v0_problem(dtype, alibi)
             out = torch.empty_like(p.query)
-            impl.paged_attention_v1(out, p.query, key_v0, value_v0, 2, p.scale, p.block_tables, p.seq_lens,
-                                    16, 600, p.alibi_slopes, "auto", _one(), _one())
+            impl.paged_attention_v1(out, *v0_args)
             assert_close_to_oracle(out, expected, "paged_attention_v1")
 
 
 def check_paged_attention_v2(impl) -> None:
     for dtype in _dtypes():
         for alibi in (False, True):
-            p, expected, key_v0, value_v0 = _v0_problem(dtype, alibi)
+            p, expected, v0_args = _v0_problem(dtype, alibi)
             out = torch.empty_like(p.query)
-            # 600 tokens: two 512-token partitions
-            impl.paged_attention_v2(out, *ref.v2_scratch(p.query, 600), p.query, key_v0, value_v0, 2, p.scale,
-                                    p.block_tables, p.seq_lens, 16, 600, p.alibi_slopes, "auto", _one(), _one())
+            impl.paged_attention_v2(out, *ref.v2_scratch(p.query, 600), *v0_args)
             assert_close_to_oracle(out, expected, "paged_attention_v2")
 
 

@@ -132,16 +132,12 @@ def verify_decode(
 
     def cuda_run(version: int) -> str:
         from paged_attention.kernels import cuda
-        key_v0, value_v0 = ref.flash_to_v0(key_cache, value_cache)
         out = torch.empty_like(query)
-        max_len = int(seq_lens.max())
-        one = torch.ones(1, device=query.device)
-        rest = (query, key_v0, value_v0, key_cache.size(2), scale, block_tables, seq_lens, key_cache.size(1),
-                max_len, alibi_slopes, "auto", one, one)
+        v0_args = ref.v0_decode_args(*decode_args)
         if version == 1:
-            cuda.paged_attention_v1(out, *rest)
+            cuda.paged_attention_v1(out, *v0_args)
         else:
-            cuda.paged_attention_v2(out, *ref.v2_scratch(query, max_len), *rest)
+            cuda.paged_attention_v2(out, *ref.v2_scratch(query, int(seq_lens.max())), *v0_args)
         return compare(out, oracle, f"CUDA v{version}")
 
     def vllm_run() -> str:

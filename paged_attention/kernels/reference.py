@@ -138,8 +138,9 @@ def ref_decode_attention(
 
 
 def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                             check_ids: bool = True) -> int:
-    """Checks shared by every decode over the flash layout; returns the longest sequence."""
+                             check_ids: bool = True, *, out: torch.Tensor | None = None) -> int:
+    """Checks shared by every decode over the flash layout (and its ``out``, for the kernels
+    that write into one); returns the longest sequence (-1 when ``check_ids=False``)."""
     args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("key_cache", key_cache, ndim=4)
     args.tensor("value_cache", value_cache, ndim=4)
@@ -156,8 +157,13 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
         )
     args.gqa(num_heads, num_kv_heads)
     args.alibi_slopes(alibi_slopes, num_heads)
-    return args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
-                                      num_blocks=num_blocks, check_ids=check_ids)
+    longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
+                                         num_blocks=num_blocks, check_ids=check_ids)
+    if out is not None:
+        args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
+        args.shape("out", out, tuple(query.shape))
+        args.same_device(out=out, query=query)
+    return longest
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,6 +488,20 @@ def v2_scratch(query: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, tor
     parts = (num_seqs, num_heads, cdiv(max_seq_len, PARTITION_SIZE))
     exp_sums = torch.empty(parts, dtype=torch.float32, device=query.device)
     return exp_sums, torch.empty_like(exp_sums), torch.empty(*parts, head_size, dtype=query.dtype, device=query.device)
+
+
+def v0_decode_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   alibi_slopes: torch.Tensor | None = None, max_seq_len: int | None = None) -> tuple:
+    """A flash-layout decode step (``DecodeProblem.decode_args()``) as the arguments of
+    ``paged_attention_v1`` after ``out`` (v2: after ``out`` and ``v2_scratch``): the caches
+    converted to the v0 layout, unquantized, unit scales. ``max_seq_len`` defaults to the longest."""
+    key_v0, value_v0 = flash_to_v0(key_cache, value_cache)
+    one = torch.ones(1, dtype=torch.float32, device=query.device)
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    return (query, key_v0, value_v0, key_cache.size(2), scale, block_tables, seq_lens, key_cache.size(1),
+            max_seq_len, alibi_slopes, "auto", one, one)
 
 
 def paged_attention_v1(

@@ -210,10 +210,7 @@ def paged_attention_decode(
     """
     fa3 = _fa3()
     longest = ref.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                                          check_ids=check_ids)
-    args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
-    args.shape("out", out, tuple(query.shape))
-    args.same_device(out=out, query=query)
+                                          check_ids=check_ids, out=out)
     if query.dtype not in DECODE_DTYPES:
         raise TypeError(f"query must be float16 or bfloat16 for vLLM's FA3, got {query.dtype}")
     if alibi_slopes is not None:

@@ -234,10 +234,7 @@ def paged_attention_decode(
     ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default: ``choose_launch``), for tuning.
     """
     longest = check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
-                                       alibi_slopes, check_ids=check_ids)
-    args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
-    args.shape("out", out, tuple(query.shape))
-    args.same_device(out=out, query=query)
+                                       alibi_slopes, check_ids=check_ids, out=out)
     args.tensor("query", query, dtypes=triton_float_dtypes(query.device))
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape

@@ -39,20 +39,19 @@ constexpr float SOFTMAX_EPS = 1e-6f;     // vLLM's guard in the softmax denomina
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// Thread blocks per SM the compiler must leave registers for (8 caps a thread at 64 registers),
-// and how many 16-byte value loads a lane issues before using them. A decode step is bound by
-// the loads in flight: v2 has many thread blocks, and more of them resident puts more loads in
-// flight than a deeper unroll does (on an H200, 64 registers gave 0.82 of copy bandwidth at
-// batch 64 x 4096 against 0.70 with the 113 the compiler picks alone). v1 has few thread blocks,
-// limited by their shared memory anyway, so each lane goes deeper instead. A thread's share of a
-// KV block grows with the block's bytes, and so does its register need.
+// Thread blocks per SM the compiler must leave registers for (8 caps a thread at 64 registers).
+// A decode step is bound by the loads in flight. v2 has many thread blocks, and more of them
+// resident puts more loads in flight than a deeper unroll of the value loop (UNROLL) does: on an
+// H200, 64 registers gave 0.82 of copy bandwidth at batch 64 x 4096 against 0.70 with the 113
+// the compiler picks alone. v1 has few thread blocks, limited by their shared memory anyway, so
+// each lane unrolls deeper instead. A thread's share of a KV block grows with the block's bytes,
+// and so does its register need.
 template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION>
 constexpr int min_blocks_per_sm() {
   constexpr int bytes = HEAD_SIZE * BLOCK_SIZE * sizeof(scalar_t);   // one head's K (or V) block
   constexpr int v2 = bytes <= 4096 ? 8 : bytes <= 8192 ? 4 : 2;
   return PARTITION > 0 ? v2 : (v2 > 2 ? v2 / 2 : v2);
 }
-template <int PARTITION> __host__ __device__ constexpr int value_loads_in_flight() { return PARTITION > 0 ? 4 : 8; }
 
 // PARTITION == 0: v1, the whole sequence in one thread block, output straight to `out`.
 // PARTITION  > 0: v2, partition blockIdx.z only, output to tmp_out, exp_sums, max_logits.
@@ -184,8 +183,9 @@ __global__ void __launch_bounds__(NUM_THREADS, min_blocks_per_sm<scalar_t, HEAD_
   constexpr int ROWS_PER_PASS = WARP_SIZE / VECS_PER_ROW;   // dimensions a warp covers per load
   constexpr int ROW_PASSES = cdiv(HEAD_SIZE, ROWS_PER_PASS);
   constexpr int PASSES_PER_WARP = cdiv(ROW_PASSES, NUM_WARPS);
-  // Blocks whose loads are all issued before any is used.
-  constexpr int UNROLL = cdiv(value_loads_in_flight<PARTITION>(), PASSES_PER_WARP);
+  // Blocks whose loads are all issued before any is used: about 4 (v2) or 8 (v1) 16-byte
+  // loads in flight per lane (see min_blocks_per_sm).
+  constexpr int UNROLL = cdiv(PARTITION > 0 ? 4 : 8, PASSES_PER_WARP);
   const int first_token = (lane % VECS_PER_ROW) * V_VEC;  // of each block, for this lane
   int row[PASSES_PER_WARP];
   float acc[GROUP][PASSES_PER_WARP];
