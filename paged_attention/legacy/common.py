@@ -4,9 +4,11 @@ blocks that keeps their ids at hand, and the prefix-cache hit-rate bookkeeping.
 """
 from __future__ import annotations
 
+import copy
+import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
 
@@ -19,6 +21,27 @@ class BlockStateError(ValueError, AssertionError):
 
 class UnknownBlockIdError(KeyError, AssertionError):
     """A block id this allocator never owned (a KeyError, and an AssertionError as in vLLM)."""
+
+
+class BlockTypeError(TypeError, AssertionError):
+    """An object of the wrong kind where a block or allocator was expected (a TypeError, and an
+    AssertionError as in vLLM)."""
+
+
+def rehearse(operation: Callable[[Any], object], state: Any) -> None:
+    """Run ``operation`` on a deep copy of ``state`` and let any error it raises propagate.
+
+    This is how the legacy layer stays all or nothing when blocks may run out part-way: an
+    operation that might fail is first rehearsed on a copy of the table and its allocator (a
+    failed eviction or copy on write cannot be undone in place), and only run for real once
+    the copy got through. Callers rehearse only when a cheap bound says blocks could run short.
+    """
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 100_000))   # deepcopy recurses along prev_block chains
+    try:
+        operation(copy.deepcopy(state))
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,8 +163,12 @@ class BlockPool:
         pool_id = self._free_ids.popleft()
         block = self._pool[pool_id]
         # Re-run the constructor on the existing object; it keeps the allocator it was made for.
-        block.__init__(prev_block=prev_block, token_ids=token_ids, block_size=block_size,
-                       allocator=block._allocator, block_id=physical_block_id, extra_hash=extra_hash)
+        try:
+            block.__init__(prev_block=prev_block, token_ids=token_ids, block_size=block_size,
+                           allocator=block._allocator, block_id=physical_block_id, extra_hash=extra_hash)
+        except Exception:
+            self._free_ids.appendleft(pool_id)       # bad arguments: the object stays free
+            raise
         block.pool_id = pool_id
         return block
 

@@ -1,0 +1,216 @@
+"""A sequence's block table (spec §1.6): its tokens, cut into blocks, and the physical id of
+each block. Logical block ``i`` holds tokens ``i*block_size .. (i+1)*block_size - 1``, so
+token ``t`` lives in slot ``physical_block_ids[t // block_size] * block_size + t % block_size``
+of the KV cache.
+
+The table only ever grows at its end (or drops its front to the null block under a sliding
+window); the allocator decides which physical ids it gets, shares and copies on write.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from paged_attention.legacy.common import BlockList, BlockStateError, rehearse
+from paged_attention.legacy.interfaces import Block, BlockAllocator, DeviceAwareBlockAllocator
+from paged_attention.utils import Device, cdiv, chunk_list
+
+
+class BlockTable:
+    """The blocks of one sequence, allocated through a device-aware allocator.
+
+    All or nothing: ``allocate``, ``append_token_ids`` and ``ensure_num_empty_slots`` either
+    complete or raise ``NoFreeBlocksError`` with the table and the allocator as they were. When
+    the free blocks might not suffice, the call is first rehearsed on a copy (see
+    ``common.rehearse``).
+    """
+
+    def __init__(self, block_size: int, block_allocator: DeviceAwareBlockAllocator,
+                 _blocks: Optional[list[Block]] = None, max_block_sliding_window: Optional[int] = None):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
+        self._block_size = block_size
+        self._allocator = block_allocator
+        self._blocks = BlockList(_blocks if _blocks is not None else [])
+        self._max_block_sliding_window = max_block_sliding_window
+        self._num_full_slots = self._get_num_token_ids()
+
+    @staticmethod
+    def get_num_required_blocks(token_ids: list[int], block_size: int, num_lookahead_slots: int = 0) -> int:
+        """Blocks for ``token_ids`` plus lookahead slots if nothing were shared."""
+        return cdiv(len(token_ids) + num_lookahead_slots, block_size)
+
+    # ---- Allocate -------------------------------------------------------------------------------------
+    def allocate(self, token_ids: list[int], device: Device = Device.GPU, extra_hash: Optional[int] = None) -> None:
+        """Blocks for a prompt: its full chunks as immutable blocks (one call, so a fresh naive
+        allocator numbers them 0, 1, 2, ...), a trailing partial chunk as a mutable one."""
+        if self._is_allocated:
+            raise BlockStateError("the block table is already allocated")
+        if len(token_ids) == 0:
+            raise ValueError("cannot allocate a block table for no tokens")
+        if cdiv(len(token_ids), self._block_size) > self._allocator.get_num_free_blocks(device):
+            rehearse(lambda table: table._allocate_blocks_for_token_ids(None, token_ids, device, extra_hash), self)
+        blocks = self._allocate_blocks_for_token_ids(prev_block=None, token_ids=token_ids, device=device,
+                                                     extra_hash=extra_hash)
+        self.update(blocks)
+        self._num_full_slots = len(token_ids)
+
+    def update(self, blocks: list[Block]) -> None:
+        """Replace the blocks (after a swap) and rebuild the id list."""
+        self._blocks.update(blocks)
+
+    # ---- Append -------------------------------------------------------------------------------------
+    def append_token_ids(self, token_ids: list[int], num_lookahead_slots: int = 0,
+                         num_computed_slots: Optional[int] = None, extra_hash: Optional[int] = None) -> None:
+        """Append tokens (and reserve lookahead slots) at the end of the sequence.
+
+        With a sliding window, blocks wholly outside it are first freed and replaced by the null
+        block. Then enough empty slots are ensured, and the tokens are written block by block
+        from the first non-full one; each write may copy a shared block on write or promote a
+        block that fills up.
+        """
+        if not self._is_allocated:
+            raise BlockStateError("no blocks have been allocated")
+        if num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+        if self._max_block_sliding_window is not None and num_computed_slots is None:
+            raise ValueError("a block table with a sliding window needs num_computed_slots")
+        if self._max_block_allocations(token_ids, num_lookahead_slots) > self._allocator.get_num_free_blocks(
+                Device.GPU):
+            rehearse(lambda table: table._append_token_ids(token_ids, num_lookahead_slots, num_computed_slots,
+                                                           extra_hash), self)
+        self._append_token_ids(token_ids, num_lookahead_slots, num_computed_slots, extra_hash)
+
+    def _max_block_allocations(self, token_ids: list[int], num_lookahead_slots: int) -> int:
+        """An upper bound on the free blocks an append can take: the null block if not made yet,
+        the new blocks, and a copy for each shared block written into (a promotion never takes
+        one; freeing blocks outside the window only gives some back)."""
+        needed = max(0, cdiv(len(token_ids) + num_lookahead_slots - self._num_empty_slots, self._block_size))
+        if self._max_block_sliding_window is not None:
+            needed += 1                          # the null block (at most once; a bound is enough)
+        num_chunks = len(self._chunk_token_blocks_for_append(token_ids))
+        num_existing_written = min(num_chunks, len(self._blocks) - self._num_full_slots // self._block_size)
+        return needed + max(0, num_existing_written)   # a write into an existing block may copy it
+
+    def _append_token_ids(self, token_ids: list[int], num_lookahead_slots: int,
+                          num_computed_slots: Optional[int], extra_hash: Optional[int]) -> None:
+        if self._max_block_sliding_window is not None:
+            null_block = self._allocator.allocate_or_get_null_block()
+            # Blocks before this index hold only tokens the window no longer sees.
+            end_block_idx = num_computed_slots // self._block_size - self._max_block_sliding_window
+            for idx in range(0, end_block_idx):
+                block = self._blocks[idx]
+                if block is not null_block:
+                    self._allocator.free(block)
+                    self._blocks[idx] = null_block
+
+        self.ensure_num_empty_slots(num_empty_slots=len(token_ids) + num_lookahead_slots, extra_hash=extra_hash)
+
+        first_block_idx = self._num_full_slots // self._block_size
+        for i, token_block in enumerate(self._chunk_token_blocks_for_append(token_ids)):
+            self._blocks.append_token_ids(first_block_idx + i, token_block)
+        self._num_full_slots += len(token_ids)   # lookahead slots are reserved, not filled
+
+    def ensure_num_empty_slots(self, num_empty_slots: int, extra_hash: Optional[int] = None) -> None:
+        """Append empty GPU blocks until at least ``num_empty_slots`` slots are free."""
+        device = Device.GPU                      # tables only grow on the GPU
+        if not self._is_allocated:
+            raise BlockStateError("no blocks have been allocated")
+        if self._num_empty_slots >= num_empty_slots:
+            return
+        slots_to_allocate = num_empty_slots - self._num_empty_slots
+        blocks_to_allocate = cdiv(slots_to_allocate, self._block_size)
+        num_free = self._allocator.get_num_free_blocks(device)
+        if blocks_to_allocate > num_free:        # each new block takes exactly one free block
+            raise BlockAllocator.NoFreeBlocksError(f"{blocks_to_allocate} blocks needed, {num_free} free")
+        for _ in range(blocks_to_allocate):
+            self._blocks.append(self._allocator.allocate_mutable_block(prev_block=self._blocks[-1], device=device,
+                                                                       extra_hash=extra_hash))
+
+    # ---- Fork and free ------------------------------------------------------------------------------
+    def fork(self) -> BlockTable:
+        """A new table over the same physical blocks (each gains a holder; nothing is copied)."""
+        if not self._is_allocated:
+            raise BlockStateError("cannot fork a block table with no blocks")
+        forked_blocks = self._allocator.fork(self._blocks[-1])
+        return BlockTable(block_size=self._block_size, block_allocator=self._allocator, _blocks=forked_blocks,
+                          max_block_sliding_window=self._max_block_sliding_window)
+
+    def free(self) -> None:
+        """Give every block back (the allocator skips the null block); the table can then be
+        allocated again."""
+        for block in self.blocks:
+            self._allocator.free(block)
+        self._blocks.reset()
+        self._num_full_slots = 0
+
+    # ---- Reading the table ------------------------------------------------------------------------------
+    @property
+    def physical_block_ids(self) -> list[int]:
+        """The ids a kernel's block table row holds for this sequence."""
+        return self._blocks.ids()
+
+    def get_unseen_token_ids(self, sequence_token_ids: list[int]) -> list[int]:
+        """The sequence's tokens not yet appended to this table (its tail)."""
+        return sequence_token_ids[self.num_full_slots:]
+
+    def _allocate_blocks_for_token_ids(self, prev_block: Optional[Block], token_ids: list[int], device: Device,
+                                       extra_hash: Optional[int] = None) -> list[Block]:
+        block_token_ids = []
+        tail_token_ids = []
+        for cur_token_ids in chunk_list(token_ids, self._block_size):
+            (block_token_ids if len(cur_token_ids) == self._block_size else tail_token_ids).append(cur_token_ids)
+        blocks: list[Block] = []
+        if block_token_ids:
+            blocks.extend(self._allocator.allocate_immutable_blocks(prev_block, block_token_ids=block_token_ids,
+                                                                    device=device, extra_hash=extra_hash))
+            prev_block = blocks[-1]
+        if tail_token_ids:
+            block = self._allocator.allocate_mutable_block(prev_block=prev_block, device=device,
+                                                           extra_hash=extra_hash)
+            block.append_token_ids(tail_token_ids[0])
+            blocks.append(block)
+        return blocks
+
+    def _get_all_token_ids(self) -> list[int]:
+        token_ids: list[int] = []
+        for block in self.blocks:
+            token_ids.extend(block.token_ids)
+        return token_ids
+
+    def _get_num_token_ids(self) -> int:
+        return sum(len(block.token_ids) for block in self.blocks)
+
+    @property
+    def _is_allocated(self) -> bool:
+        return len(self._blocks) > 0
+
+    @property
+    def blocks(self) -> list[Block]:
+        return self._blocks.list()
+
+    @property
+    def _num_empty_slots(self) -> int:
+        if not self._is_allocated:
+            raise BlockStateError("no blocks have been allocated")
+        return len(self._blocks) * self._block_size - self._num_full_slots
+
+    @property
+    def num_full_slots(self) -> int:
+        """Tokens appended so far (lookahead slots not included)."""
+        return self._num_full_slots
+
+    def get_num_blocks_touched_by_append_slots(self, token_ids: list[int], num_lookahead_slots: int) -> int:
+        """Blocks an append of ``token_ids`` plus lookahead slots would write into: the
+        current last block's free part, then whole blocks. Zero new slots touch nothing when
+        the last block is full (1 + ceil(-1) = 0), one block when it is partly filled."""
+        num_token_ids = len(token_ids) + num_lookahead_slots
+        first_chunk_size = self._block_size - (self._num_full_slots % self._block_size)
+        return 1 + math.ceil((num_token_ids - first_chunk_size) / self._block_size)
+
+    def _chunk_token_blocks_for_append(self, token_ids: list[int]) -> list[list[int]]:
+        """The tokens cut to fit: first what fills the current block, then whole blocks."""
+        if not token_ids:
+            return []
+        first_chunk_size = self._block_size - (self._num_full_slots % self._block_size)
+        return [token_ids[:first_chunk_size], *chunk_list(token_ids[first_chunk_size:], self._block_size)]
