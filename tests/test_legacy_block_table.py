@@ -244,10 +244,15 @@ def test_bad_input_raises_and_changes_nothing():
     t.allocate([1, 2])
     with pytest.raises(ValueError, match="already allocated"):
         t.allocate([1])
-    windowed = BlockTable(4, CpuGpuBlockAllocator.create("naive", 4, 0, 4), max_block_sliding_window=2)
+    windowed = BlockTable(4, CpuGpuBlockAllocator.create("naive", 8, 0, 4), max_block_sliding_window=2)
     windowed.allocate([1])
     with pytest.raises(ValueError, match="num_computed_slots"):
         windowed.append_token_ids([2])
+    windowed.append_token_ids([2, 3, 4, 5, 6, 7, 8, 9, 10], num_computed_slots=1)
+    free = windowed._allocator.get_num_free_blocks(GPU)
+    with pytest.raises(ValueError, match="num_computed_slots"):   # past the table's end
+        windowed.append_token_ids([11], num_computed_slots=20)
+    assert windowed._allocator.get_num_free_blocks(GPU) == free and windowed.num_full_slots == 10
     with pytest.raises(ValueError):
         BlockTable(0, a)
     t.free()
@@ -274,3 +279,27 @@ def test_running_out_of_blocks_leaves_tables_and_allocator_as_they_were(kind):
     assert _table_state(t) == parent_state and _table_state(child) == child_state
     child.append_token_ids(list(range(6)))         # a copy and 1 new block: fits exactly
     assert a.get_num_free_blocks(GPU) == 0 and a.clear_copy_on_writes() == [(1, 3)]   # new block 2 first
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forking_a_windowed_table_keeps_the_null_block_and_its_own_chain(kind):
+    """vLLM's fork walks prev_block links into blocks the window dropped (and the pool reused);
+    here the chain is cut where the window drops blocks."""
+    a = CpuGpuBlockAllocator.create(kind, 16, 0, 4)
+    t = BlockTable(4, a, max_block_sliding_window=2)
+    t.allocate(list(range(10)))
+    for token_ids, computed in (([10], 10), ([11, 12], 11), ([13], 16), ([14, 15, 16], 17)):
+        t.append_token_ids(token_ids, num_computed_slots=computed)
+    other = BlockTable(4, a)
+    other.allocate(list(range(500, 508)))          # reuses the dropped blocks' objects
+    child = t.fork()
+    assert child.physical_block_ids == t.physical_block_ids and t.physical_block_ids[:4] == [3, 3, 2, 4]
+    assert child.num_full_slots == t.num_full_slots == 17
+    assert child._get_all_token_ids() == t._get_all_token_ids() == list(range(8, 17))
+    child.append_token_ids([99], num_computed_slots=17)
+    ((src, dst),) = a.clear_copy_on_writes()        # the shared last block, copied on write
+    assert src == t.physical_block_ids[-1] and dst == child.physical_block_ids[-1] != src
+    assert t._get_all_token_ids()[-1] == 16 and child._get_all_token_ids()[-1] == 99
+    for table in (t, child, other):
+        table.free()
+    assert a.get_num_free_blocks(GPU) == 15

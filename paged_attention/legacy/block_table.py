@@ -73,8 +73,14 @@ class BlockTable:
             raise BlockStateError("no blocks have been allocated")
         if num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
-        if self._max_block_sliding_window is not None and num_computed_slots is None:
-            raise ValueError("a block table with a sliding window needs num_computed_slots")
+        if self._max_block_sliding_window is not None:
+            if num_computed_slots is None or num_computed_slots < 0:
+                raise ValueError(f"a block table with a sliding window needs num_computed_slots >= 0, "
+                                 f"got {num_computed_slots}")
+            end_block_idx = num_computed_slots // self._block_size - self._max_block_sliding_window
+            if end_block_idx > self._num_full_slots // self._block_size:
+                raise ValueError(f"num_computed_slots={num_computed_slots} would drop the block the next token "
+                                 f"goes to (the table holds {self._num_full_slots} tokens)")
         if self._max_block_allocations(token_ids, num_lookahead_slots) > self._allocator.get_num_free_blocks(
                 Device.GPU):
             rehearse(lambda table: table._append_token_ids(token_ids, num_lookahead_slots, num_computed_slots,
@@ -98,6 +104,11 @@ class BlockTable:
             null_block = self._allocator.allocate_or_get_null_block()
             # Blocks before this index hold only tokens the window no longer sees.
             end_block_idx = num_computed_slots // self._block_size - self._max_block_sliding_window
+            if end_block_idx > 0 and self._blocks[end_block_idx - 1] is not null_block:
+                # vLLM leaves the first kept block pointing at its dropped predecessor, whose
+                # object goes back to the pool and is reused: a later fork would walk into
+                # another sequence's blocks. Cut the chain there instead.
+                self._blocks[end_block_idx].forget_prev_block()
             for idx in range(0, end_block_idx):
                 block = self._blocks[idx]
                 if block is not null_block:
@@ -133,8 +144,13 @@ class BlockTable:
         if not self._is_allocated:
             raise BlockStateError("cannot fork a block table with no blocks")
         forked_blocks = self._allocator.fork(self._blocks[-1])
-        return BlockTable(block_size=self._block_size, block_allocator=self._allocator, _blocks=forked_blocks,
-                          max_block_sliding_window=self._max_block_sliding_window)
+        # Positions the sliding window dropped are not in the chain: they stay the null block.
+        num_dropped = len(self._blocks) - len(forked_blocks)
+        forked = BlockTable(block_size=self._block_size, block_allocator=self._allocator,
+                            _blocks=self.blocks[:num_dropped] + forked_blocks,
+                            max_block_sliding_window=self._max_block_sliding_window)
+        forked._num_full_slots = self._num_full_slots    # the null block holds no tokens to count
+        return forked
 
     def free(self) -> None:
         """Give every block back (the allocator skips the null block); the table can then be

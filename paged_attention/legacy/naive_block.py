@@ -246,6 +246,11 @@ class NaiveBlock(Block):
                                   f"slots of this block")
         self._token_ids.extend(token_ids)
 
+    def forget_prev_block(self) -> None:
+        """Cut the chain before this block (the sliding window dropped its predecessors), so
+        that nothing walks into block objects the pool may already have handed out again."""
+        self._prev_block = None
+
     @property
     def computed(self) -> bool:
         raise NotImplementedError

@@ -248,10 +248,15 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         prev_block = None
         for block in source_blocks:
             self._refcounter.incr(block.block_id)
-            prev_block = self._block_pool.init_block(prev_block=prev_block, token_ids=block.token_ids,
-                                                     block_size=self._block_size,
-                                                     physical_block_id=block.block_id, extra_hash=block.extra_hash)
-            forked_blocks.append(prev_block)
+            forked = self._block_pool.init_block(prev_block=prev_block, token_ids=block.token_ids,
+                                                 block_size=self._block_size,
+                                                 physical_block_id=block.block_id, extra_hash=block.extra_hash)
+            # Same tokens, same prefix: the fork keeps the source's hash and token total (they
+            # stay right even when the source's chain was cut by a sliding window).
+            forked._cached_content_hash = block.content_hash
+            forked._cached_num_tokens_total = block.num_tokens_total
+            forked_blocks.append(forked)
+            prev_block = forked
         return forked_blocks
 
     # ---- Counts and ids ---------------------------------------------------------------------------
@@ -458,6 +463,13 @@ class PrefixCachingBlock(Block):
             self._block = NaiveBlock(prev_block=prev_block, token_ids=token_ids, block_size=block_size,
                                      block_id=block_id, allocator=self._allocator)
         self._update_num_tokens_total()
+
+    def forget_prev_block(self) -> None:
+        """Cut the chain before this block (the sliding window dropped its predecessors). Its
+        hash and token total are settled first, so they do not change."""
+        _ = self.content_hash
+        self._prev_block = None
+        self._block.forget_prev_block()
 
     def _update_num_tokens_total(self) -> None:
         previous = self._prev_block.num_tokens_total if self._prev_block is not None else 0
