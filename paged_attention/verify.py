@@ -9,11 +9,16 @@ or an ``AssertionError`` says which one differs. An implementation that cannot r
 vLLM's kernels not found) or does not take these arguments (a head size it was not compiled
 for, ALiBi for FA3) is listed as skipped, with the reason. The returned ``Verification``
 prints as a small table.
+
+For the legacy block layer, ``PagedCacheCheck`` keeps a KV cache per implementation, written
+through ``BlockTable``s token by token (``reshape_and_cache``), copied on write
+(``copy_blocks``) and read back by paged attention, each sequence compared with dense attention
+over its own tokens; ``verify_block_tables`` is its one-call form.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -21,6 +26,8 @@ from paged_attention.kernels import reference as ref
 from paged_attention.kernels.cuda import CudaUnavailableError
 from paged_attention.kernels.vllm import VllmUnavailableError
 from paged_attention.kernels.workloads import assert_close_to_oracle
+from paged_attention.legacy.block_table import BlockTable
+from paged_attention.legacy.cpu_gpu_block_allocator import NullBlock
 
 
 @dataclass
@@ -41,14 +48,23 @@ class Verification:
     __repr__ = __str__
 
 
+# What an implementation raises when it cannot run here or refuses the arguments (as opposed to
+# an AssertionError: it ran and got a wrong answer).
+_REFUSALS = (CudaUnavailableError, VllmUnavailableError, ValueError, TypeError)
+
+
+def _skip_reason(e: Exception) -> str:
+    if isinstance(e, (CudaUnavailableError, VllmUnavailableError)):
+        return str(e).split(";")[0]
+    return f"{type(e).__name__}: {e}"          # the implementation's own checks refused the arguments
+
+
 def _attempt(v: Verification, name: str, run: Callable[[], str]) -> None:
     """Run one comparison; refusals and absences become 'skipped', mismatches propagate."""
     try:
         v.rows.append((name, "ok", run()))
-    except (CudaUnavailableError, VllmUnavailableError) as e:
-        v.rows.append((name, "skipped", str(e).split(";")[0]))
-    except (ValueError, TypeError) as e:      # the implementation's own checks refused the arguments
-        v.rows.append((name, "skipped", f"{type(e).__name__}: {e}"))
+    except _REFUSALS as e:
+        v.rows.append((name, "skipped", _skip_reason(e)))
 
 
 def _implementations():
@@ -157,3 +173,289 @@ def verify_decode(
     _attempt(v, "CUDA v2 (ours)", lambda: cuda_run(2))
     _attempt(v, "vLLM FA3", vllm_run)
     return oracle, v
+
+
+# --------------------------------------------------------------------------------------------
+# Legacy block tables: a cache written through them, read back by every kernel
+# --------------------------------------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+def token_kv(token_ids: Sequence[int], num_kv_heads: int, head_size: int, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[len(token_ids), num_kv_heads, head_size]`` for a sequence's tokens.
+
+    Token ``t``'s key and value are random numbers drawn from a seed that depends on every token
+    up to ``t`` (and on ``seed``), the way a model's depend on the whole prefix: two sequences
+    with the same first tokens have the same K/V there (so a shared prefix block may be written
+    by either), and differ from the first token where they differ.
+    """
+    keys = torch.empty(len(token_ids), num_kv_heads, head_size)
+    values = torch.empty_like(keys)
+    state = seed & _MASK64
+    for t, token in enumerate(token_ids):
+        state = hash((state, int(token))) & _MASK64      # a hash of ints: the same in every process
+        kv = torch.randn(2, num_kv_heads, head_size, generator=torch.Generator().manual_seed(state))
+        keys[t], values[t] = kv[0], kv[1]
+    return keys.to(device=device, dtype=dtype), values.to(device=device, dtype=dtype)
+
+
+@dataclass
+class _CacheCopy:
+    """One implementation's own copy of the KV cache, and why it stopped (None while it runs)."""
+    name: str
+    layout: str                  # "v0": vLLM's v0 layout; "flash": [num_blocks, block_size, H_kv, D]
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    skipped: str | None = None
+
+
+class PagedCacheCheck:
+    """A KV cache written through legacy ``BlockTable``s, by every implementation this machine has.
+
+    Each implementation keeps its own cache (all start from the same random garbage, so a slot
+    that should have been written but was not shows up):
+
+    * ``reference``: the plain-torch ``reshape_and_cache``, ``copy_blocks`` and
+      ``paged_attention_v1`` over vLLM's v0 layout;
+    * ``Triton``: ``reshape_and_cache_flash`` and the paged decode kernel over the flash layout
+      (Triton has no block copy: ``copy_blocks`` there is the plain-torch one, which copies
+      whole blocks of any layout);
+    * ``CUDA (ours)``: ``reshape_and_cache``, ``copy_blocks``, ``paged_attention_v1`` and ``_v2``
+      over the v0 layout, on a GPU (elsewhere: skipped, with the reason).
+
+    ``write`` scatters a sequence's new tokens to ``physical id * block_size + offset`` through
+    its table; ``fork`` notes that a child shares its parent's written tokens; ``copy_blocks``
+    applies copy-on-write pairs; ``check`` runs a decode step over the tables and compares each
+    sequence's output with float64 dense attention over that sequence's own keys and values,
+    computed from its tokens (``token_kv``), not read from any cache: a wrong table entry, a
+    missed copy or a write to the wrong slot makes it fail with an ``AssertionError``.
+
+    Block ids are the tables' ids: GPU ids, which the legacy allocator numbers from 0, so they
+    index the cache directly.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, num_heads: int = 4, num_kv_heads: int = 2,
+                 head_size: int = 32, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 seed: int = 0):
+        from paged_attention import runtime
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if head_size % ref.v0_x(dtype):
+            raise ValueError(f"head_size ({head_size}) must be a multiple of {ref.v0_x(dtype)} for the v0 layout")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.dtype, self.seed = dtype, seed
+        self.device = torch.device(device) if device is not None else runtime.DEVICE
+        self._tokens: dict[str, list[int]] = {}        # per sequence: the tokens whose K/V are in the cache
+        self._num_checks = 0
+        self._one = torch.ones(1, dtype=torch.float32, device=self.device)
+
+        gen = torch.Generator().manual_seed(seed + 1)
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        garbage = [torch.randn(shape, generator=gen).to(device=self.device, dtype=dtype) for _ in range(2)]
+        v0 = ref.flash_to_v0(*garbage)
+        self._copies = [_CacheCopy("reference", "v0", *[t.clone() for t in v0]),
+                        _CacheCopy("Triton", "flash", *[t.clone() for t in garbage]),
+                        _CacheCopy("CUDA (ours)", "v0", *[t.clone() for t in v0])]
+
+    # ---- what each implementation runs ---------------------------------------------------------
+    @staticmethod
+    def _module(copy: _CacheCopy):
+        from paged_attention.kernels import cuda, triton
+        return {"reference": ref, "Triton": triton, "CUDA (ours)": cuda}[copy.name]
+
+    def _each(self, op: Callable[[_CacheCopy], None]) -> None:
+        """Apply ``op`` to every running copy; the reference's errors propagate, another
+        implementation's refusal marks it skipped from here on."""
+        for copy in self._copies:
+            if copy.skipped is not None:
+                continue
+            try:
+                op(copy)
+            except _REFUSALS as e:
+                if copy.name == "reference":
+                    raise
+                copy.skipped = _skip_reason(e)
+
+    # ---- the steps a notebook takes ------------------------------------------------------------
+    def write(self, name: str, table, token_ids: Sequence[int], start: int | None = None) -> None:
+        """Write the K/V of ``token_ids[start:]`` into their slots through ``table``.
+
+        ``token_ids`` is the sequence's whole token list so far (the table must hold exactly
+        that many tokens). ``start`` defaults to the first token not yet written for ``name``
+        (0 for a new sequence); a larger ``start`` says the tokens before it are already in
+        the cache (a prefix-cache hit), so they are not written again.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        ids = self._table_ids(name, table)
+        token_ids = [int(t) for t in token_ids]
+        if table.num_full_slots != len(token_ids):
+            raise ValueError(f"table {name!r} holds {table.num_full_slots} tokens but token_ids has {len(token_ids)}")
+        known = self._tokens.get(name, [])
+        if start is None:
+            if token_ids[:len(known)] != known:
+                raise ValueError(f"the first {len(known)} tokens of {name!r} differ from those written before")
+            start = len(known)
+        if not isinstance(start, int) or not 0 <= start <= len(token_ids):
+            raise ValueError(f"start must be an int in [0, {len(token_ids)}], got {start!r}")
+        for p in range(start, len(token_ids)):
+            if isinstance(table.blocks[p // self.block_size], NullBlock):
+                raise ValueError(f"token {p} of {name!r} falls in a block its sliding window has dropped")
+        slots = torch.tensor([ids[p // self.block_size] * self.block_size + p % self.block_size
+                              for p in range(start, len(token_ids))], dtype=torch.int64, device=self.device)
+        key, value = token_kv(token_ids, self.num_kv_heads, self.head_size, self.dtype, self.device, self.seed)
+        key, value = key[start:], value[start:]
+
+        def op(copy: _CacheCopy) -> None:
+            module = self._module(copy)
+            write = module.reshape_and_cache if copy.layout == "v0" else module.reshape_and_cache_flash
+            write(key, value, copy.key_cache, copy.value_cache, slots, "auto", self._one, self._one)
+        if slots.numel():
+            self._each(op)
+        self._tokens[name] = token_ids
+
+    def fork(self, parent: str, child: str) -> None:
+        """``child`` was forked from ``parent``: its tokens so far are in the cache already."""
+        if parent not in self._tokens:
+            raise KeyError(f"no sequence named {parent!r} has been written")
+        if not isinstance(child, str):
+            raise TypeError(f"child must be a str, got {type(child).__name__}")
+        self._tokens[child] = list(self._tokens[parent])
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy block ``src`` over block ``dst`` for every ``(src, dst)`` copy-on-write pair
+        (``allocator.clear_copy_on_writes()``), as an int64 ``[n, 2]`` tensor for ``copy_blocks``."""
+        pairs = [tuple(p) for p in pairs]
+        if not pairs:
+            return
+        for p in pairs:
+            if len(p) != 2 or not all(isinstance(i, int) and 0 <= i < self.num_blocks for i in p):
+                raise ValueError(f"each pair must be two block ids in [0, {self.num_blocks}), got {p!r}")
+        mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
+
+        def op(copy: _CacheCopy) -> None:
+            module = ref if copy.layout == "flash" else self._module(copy)
+            module.copy_blocks([copy.key_cache], [copy.value_cache], mapping)
+        self._each(op)
+
+    def check(self, tables: Mapping[str, object]) -> Verification:
+        """One decode step over ``tables`` by every implementation, each sequence compared with
+        dense float64 attention over its own tokens' keys and values; the caches of Triton and
+        CUDA must also equal the reference's bit for bit."""
+        if not isinstance(tables, Mapping) or not tables:
+            raise TypeError("tables must be a non-empty dict of name -> BlockTable")
+        names = list(tables)
+        rows = []
+        for name in names:
+            ids = self._table_ids(name, tables[name])
+            if any(isinstance(b, NullBlock) for b in tables[name].blocks):
+                raise ValueError(f"table {name!r} has sliding-window null blocks: these kernels attend to "
+                                 "every token, so its dropped tokens cannot be checked")
+            if name not in self._tokens or len(self._tokens[name]) != tables[name].num_full_slots:
+                written = len(self._tokens.get(name, []))
+                raise ValueError(f"table {name!r} holds {tables[name].num_full_slots} tokens, but {written} "
+                                 "have been written: call write() first")
+            if not tables[name].num_full_slots:
+                raise ValueError(f"table {name!r} holds no tokens")
+            rows.append(ids)
+        width = max(len(r) for r in rows)
+        block_tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=self.device)
+        seq_lens = torch.tensor([len(self._tokens[n]) for n in names], dtype=torch.int32, device=self.device)
+        max_len = int(seq_lens.max())
+        gen = torch.Generator().manual_seed(self.seed * 7919 + self._num_checks)
+        self._num_checks += 1
+        query = torch.randn(len(names), self.num_heads, self.head_size, generator=gen).to(self.device, self.dtype)
+        scale = self.head_size ** -0.5
+
+        # Dense attention over each sequence's own tokens: one block holding all of them.
+        oracle = torch.empty(len(names), self.num_heads, self.head_size, dtype=torch.float64, device=self.device)
+        for s, name in enumerate(names):
+            k, v = token_kv(self._tokens[name], self.num_kv_heads, self.head_size, self.dtype, self.device, self.seed)
+            one_block = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+            oracle[s] = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], one_block, seq_lens[s:s + 1],
+                                                 scale)[0]
+
+        v = Verification(f"{len(names)} block tables ({', '.join(names)}) over {self.num_blocks} blocks of "
+                         f"{self.block_size}: paged attention vs dense attention over each sequence's own tokens; "
+                         f"{self.num_heads} query heads over {self.num_kv_heads} KV heads, head size "
+                         f"{self.head_size}, {str(self.dtype).replace('torch.', '')}")
+        reference = self._copies[0]
+
+        def compare(out: torch.Tensor, impl: str) -> str:
+            for s, name in enumerate(names):
+                assert_close_to_oracle(out[s], oracle[s], f"{impl}, sequence {name!r}")
+            return f"max |error| {(out.double() - oracle).abs().max().item():.1e}"
+
+        def same_cache(copy: _CacheCopy) -> None:
+            caches = (copy.key_cache, copy.value_cache)
+            if copy.layout == "flash":
+                caches = ref.flash_to_v0(*caches)
+            if not (torch.equal(caches[0], reference.key_cache) and torch.equal(caches[1], reference.value_cache)):
+                raise AssertionError(f"{copy.name}'s KV cache differs from the reference's")
+
+        def v0_args(copy: _CacheCopy) -> tuple:
+            return (query, copy.key_cache, copy.value_cache, self.num_kv_heads, scale, block_tables, seq_lens,
+                    self.block_size, max_len, None, "auto", self._one, self._one)
+
+        def run_attention(copy: _CacheCopy, version: str) -> str:
+            if copy.skipped is not None:
+                raise _Skipped(copy.skipped)
+            module = self._module(copy)
+            out = torch.empty_like(query)
+            if copy.layout == "flash":
+                module.paged_attention_decode(out, query, copy.key_cache, copy.value_cache, block_tables,
+                                              seq_lens, scale)
+            elif version == "v1":
+                module.paged_attention_v1(out, *v0_args(copy))
+            else:
+                module.paged_attention_v2(out, *ref.v2_scratch(query, max_len), *v0_args(copy))
+            detail = compare(out, f"{copy.name} {version}".strip())
+            if copy is not reference:
+                same_cache(copy)
+                detail += "; cache identical to the reference's"
+            return detail
+
+        v.rows.append(("reference v1", "ok", run_attention(reference, "v1")))
+        for label, copy, version in (("Triton", self._copies[1], ""), ("CUDA v1 (ours)", self._copies[2], "v1"),
+                                     ("CUDA v2 (ours)", self._copies[2], "v2")):
+            try:
+                v.rows.append((label, "ok", run_attention(copy, version)))
+            except _Skipped as e:
+                v.rows.append((label, "skipped", str(e)))
+            except _REFUSALS as e:
+                v.rows.append((label, "skipped", _skip_reason(e)))
+        return v
+
+    def _table_ids(self, name: str, table) -> list[int]:
+        if not isinstance(table, BlockTable):
+            raise TypeError(f"table {name!r} must be a legacy BlockTable, got {type(table).__name__}")
+        ids = list(table.physical_block_ids)
+        bad = [i for i in ids if not 0 <= i < self.num_blocks]
+        if bad:
+            raise ValueError(f"table {name!r} holds block id {bad[0]}, outside the cache's [0, {self.num_blocks}) "
+                             "(a CPU id after a swap?)")
+        return ids
+
+
+class _Skipped(Exception):
+    """An implementation that stopped at an earlier step (its reason is the message)."""
+
+
+def verify_block_tables(tables: Mapping[str, object], token_ids: Mapping[str, Sequence[int]], num_blocks: int,
+                        block_size: int, **kwargs) -> Verification:
+    """Write every sequence's tokens through its table into fresh caches, then ``check``: the
+    one-call form of ``PagedCacheCheck`` (``kwargs``: its shape, dtype, device and seed)."""
+    if not isinstance(token_ids, Mapping) or set(token_ids) != set(tables):
+        raise ValueError("token_ids must be a dict with the same names as tables")
+    kv = PagedCacheCheck(num_blocks, block_size, **kwargs)
+    for name, table in tables.items():
+        kv.write(name, table, token_ids[name])
+    return kv.check(tables)

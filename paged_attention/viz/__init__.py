@@ -8,6 +8,10 @@ from paged_attention.viz.kernels import (
     ThreadMapping, draw_decode_times, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
     v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
+from paged_attention.viz.legacy import (
+    PhysicalBlock, allocation_order, draw_eviction_order, draw_hash_chain, draw_legacy_block_tables,
+    eviction_order, physical_blocks, refcounts, short_hash,
+)
 from paged_attention.viz.memory import draw_waste_breakdown
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
 from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
@@ -17,5 +21,7 @@ __all__ = [
     "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
     "v0_key_offset", "v0_value_offset", "ThreadMapping", "v1_thread_mapping", "v2_partitions",
     "v2_merge_weights",
+    "draw_legacy_block_tables", "draw_hash_chain", "draw_eviction_order", "physical_blocks",
+    "allocation_order", "eviction_order", "refcounts", "short_hash", "PhysicalBlock",
     "CATEGORY_COLORS", "IMPL_COLORS", "SEQ_COLORS", "seq_color",
 ]

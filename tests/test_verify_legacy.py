@@ -1,0 +1,177 @@
+"""verify.PagedCacheCheck: legacy block tables drive real cache writes, copies and paged attention.
+
+It must pass when the tables, the writes and the copies are right, and fail with an
+AssertionError when a table is wrong or a copy-on-write is not applied.
+"""
+import pytest
+import torch
+
+from paged_attention import runtime, verify
+from paged_attention.kernels import triton as tk
+from paged_attention.legacy.block_table import BlockTable
+from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+from paged_attention.utils import Device
+
+BS = 8
+
+
+def two_sequences(kind="naive", num_blocks=16):
+    allocator = CpuGpuBlockAllocator.create(kind, num_blocks, 0, BS)
+    tokens = {"A": list(range(100, 119)), "B": list(range(200, 219))}     # the same length: 19
+    tables = {name: BlockTable(BS, allocator) for name in tokens}
+    for name, table in tables.items():
+        table.allocate(tokens[name])
+    return allocator, tables, tokens
+
+
+def written(num_blocks=16, **kw):
+    allocator, tables, tokens = two_sequences(num_blocks=num_blocks)
+    kv = verify.PagedCacheCheck(num_blocks, BS, **kw)
+    for name, table in tables.items():
+        kv.write(name, table, tokens[name])
+    return allocator, tables, tokens, kv
+
+
+def test_token_kv_depends_on_the_prefix():
+    k1, v1 = verify.token_kv([5, 6, 7, 8], 2, 16)
+    k2, v2 = verify.token_kv([5, 6, 9, 8], 2, 16)
+    assert k1.shape == (4, 2, 16) and v1.dtype == torch.float32
+    assert torch.equal(k1[:2], k2[:2]) and torch.equal(v1[:2], v2[:2])
+    assert not torch.equal(k1[2], k2[2]) and not torch.equal(k1[3], k2[3])   # the same token 8 after a different prefix
+    assert torch.equal(verify.token_kv([5, 6, 7, 8], 2, 16)[0], k1)
+    assert not torch.equal(verify.token_kv([5, 6, 7, 8], 2, 16, seed=1)[0], k1)
+
+
+def test_correct_tables_pass_on_every_implementation_here():
+    _, tables, _, kv = written()
+    v = kv.check(tables)
+    assert [name for name, _, _ in v.rows] == ["reference v1", "Triton", "CUDA v1 (ours)", "CUDA v2 (ours)"]
+    assert "Triton" in v.verified
+    if runtime.HAS_CUDA:
+        assert {"CUDA v1 (ours)", "CUDA v2 (ours)"} <= set(v.verified)
+    else:
+        assert v.verified == ["reference v1", "Triton"]
+        assert "GPU" in dict((n, d) for n, _, d in v.rows)["CUDA v1 (ours)"]
+    assert "cache identical to the reference's" in dict((n, d) for n, _, d in v.rows)["Triton"]
+    assert "A, B" in str(v)
+
+
+def test_swapped_tables_fail():
+    _, tables, _, kv = written()
+    with pytest.raises(AssertionError, match="reference"):
+        kv.check({"A": tables["B"], "B": tables["A"]})
+
+
+def test_one_swapped_block_id_fails():
+    _, tables, _, kv = written()
+    ids_a, ids_b = tables["A"]._blocks._block_ids, tables["B"]._blocks._block_ids   # corrupt the id lists only
+    ids_a[1], ids_b[1] = ids_b[1], ids_a[1]
+    with pytest.raises(AssertionError, match="sequence 'A'"):
+        kv.check(tables)
+
+
+def fork_and_append(kv, allocator, tables, tokens, apply_copies=True):
+    tables["C"] = tables["A"].fork()
+    kv.fork("A", "C")
+    tokens["C"] = tokens["A"] + [7]
+    tables["C"].append_token_ids([7])               # writes into the shared last block: copy on write
+    pairs = allocator.clear_copy_on_writes()
+    assert pairs == [(tables["A"].physical_block_ids[-1], tables["C"].physical_block_ids[-1])]
+    if apply_copies:
+        kv.copy_blocks(pairs)
+    kv.write("C", tables["C"], tokens["C"])
+    tokens["A"] = tokens["A"] + [8]
+    tables["A"].append_token_ids([8])               # A's block is its own again: no copy
+    assert allocator.clear_copy_on_writes() == []
+    kv.write("A", tables["A"], tokens["A"])
+
+
+def test_fork_and_copy_on_write_pass_when_the_copies_are_applied():
+    allocator, tables, tokens, kv = written()
+    fork_and_append(kv, allocator, tables, tokens)
+    v = kv.check(tables)
+    assert "Triton" in v.verified
+
+
+def test_a_missed_copy_on_write_fails():
+    allocator, tables, tokens, kv = written()
+    fork_and_append(kv, allocator, tables, tokens, apply_copies=False)
+    with pytest.raises(AssertionError, match="sequence 'C'"):
+        kv.check(tables)
+
+
+def test_prefix_cache_hits_are_not_written_again():
+    allocator = CpuGpuBlockAllocator.create("prefix_caching", 16, 0, BS)
+    shared = list(range(2 * BS))
+    tokens = {"A": shared + [1, 2, 3], "B": shared + [9] * 11}
+    tables = {name: BlockTable(BS, allocator) for name in tokens}
+    kv = verify.PagedCacheCheck(16, BS)
+    tables["A"].allocate(tokens["A"])
+    kv.write("A", tables["A"], tokens["A"])
+    tables["B"].allocate(tokens["B"])
+    assert tables["B"].physical_block_ids[:2] == tables["A"].physical_block_ids[:2]
+    kv.write("B", tables["B"], tokens["B"], start=2 * BS)    # B's first two blocks are A's, already written
+    assert "Triton" in kv.check(tables).verified
+
+    # Had nobody written the shared blocks, B would read garbage there.
+    lone = verify.PagedCacheCheck(16, BS)
+    lone.write("B", tables["B"], tokens["B"], start=2 * BS)
+    with pytest.raises(AssertionError, match="sequence 'B'"):
+        lone.check({"B": tables["B"]})
+
+
+def test_a_wrong_triton_write_is_caught(monkeypatch):
+    write = tk.reshape_and_cache_flash
+
+    def shifted(key, value, key_cache, value_cache, slot_mapping, *rest):
+        write(key, value, key_cache, value_cache, (slot_mapping + 1) % (key_cache.size(0) * key_cache.size(1)), *rest)
+    monkeypatch.setattr(tk, "reshape_and_cache_flash", shifted)
+    _, tables, _, kv = written()
+    with pytest.raises(AssertionError, match="Triton"):
+        kv.check(tables)
+
+
+def test_verify_block_tables_one_call():
+    _, tables, tokens = two_sequences()
+    v = verify.verify_block_tables(tables, tokens, 16, BS, head_size=64, dtype=torch.float16)
+    assert "Triton" in v.verified and "float16" in str(v)
+    with pytest.raises(ValueError, match="same names"):
+        verify.verify_block_tables(tables, {"A": tokens["A"]}, 16, BS)
+
+
+def test_bad_input():
+    allocator, tables, tokens = two_sequences()
+    kv = verify.PagedCacheCheck(16, BS)
+    with pytest.raises(ValueError, match="holds 19 tokens"):
+        kv.write("A", tables["A"], tokens["A"][:-1])
+    with pytest.raises(TypeError, match="BlockTable"):
+        kv.write("A", [0, 1, 2], tokens["A"])
+    with pytest.raises(ValueError, match="start"):
+        kv.write("A", tables["A"], tokens["A"], start=40)
+    with pytest.raises(ValueError, match="been written"):
+        kv.check(tables)
+    with pytest.raises(KeyError):
+        kv.fork("nobody", "C")
+    with pytest.raises(ValueError, match="pair"):
+        kv.copy_blocks([(0, 16)])
+    with pytest.raises(TypeError):
+        kv.check([tables["A"]])
+    with pytest.raises(ValueError, match="outside"):
+        verify.PagedCacheCheck(2, BS).write("B", tables["B"], tokens["B"])
+    with pytest.raises(ValueError, match="head_size"):
+        verify.PagedCacheCheck(16, BS, head_size=30)
+    with pytest.raises(ValueError, match="num_heads"):
+        verify.PagedCacheCheck(16, BS, num_heads=3, num_kv_heads=2)
+    kv.write("A", tables["A"], tokens["A"])
+    with pytest.raises(ValueError, match="differ from those written"):
+        kv.write("A", tables["A"], list(range(19)))
+
+    window = CpuGpuBlockAllocator.create("naive", 16, 0, BS)
+    w = BlockTable(BS, window, max_block_sliding_window=1)
+    w.allocate(list(range(20)))
+    w.append_token_ids([20], num_computed_slots=20)
+    assert window.get_num_free_blocks(Device.GPU) < 16
+    kv_w = verify.PagedCacheCheck(16, BS)
+    kv_w.write("w", w, list(range(21)), start=20)
+    with pytest.raises(ValueError, match="sliding-window"):
+        kv_w.check({"w": w})
