@@ -1,8 +1,14 @@
-import pytest
-import torch
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # before any pyplot import: no window, same pixels everywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import paged_attention  # noqa: F401  (decides the device and the Triton mode first)
-from paged_attention import runtime
+from paged_attention import runtime  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,6 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    """Every test leaves no figure open (the drawing tests make many)."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")
 
 
 @pytest.fixture

@@ -18,12 +18,6 @@ TABLE = [[3, 0], [1]]
 LENS = [6, 2]
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
-
-
 def texts(ax: Axes) -> list[str]:
     return [t.get_text() for t in ax.texts]
 

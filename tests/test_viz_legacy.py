@@ -21,12 +21,6 @@ from paged_attention.viz import (  # noqa: E402
 )
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
-
-
 def texts(ax: Axes) -> list[str]:
     return [t.get_text() for t in ax.texts]
 

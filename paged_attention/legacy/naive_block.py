@@ -110,14 +110,14 @@ class NaiveBlockAllocator(BlockAllocator):
         source_blocks = get_all_blocks_recursively(last_block)
         for block in source_blocks:                   # all checked before any count changes
             if block.block_id is None or self._refcounter.get(block.block_id) == 0:
-                raise BlockStateError("can't fork a freed block")
+                raise BlockStateError(f"can't fork a freed block (block_id = {block.block_id})")
         forked_blocks: list[Block] = []
         prev_block = None
         for block in source_blocks:
             self._refcounter.incr(block.block_id)
             prev_block = self._block_pool.init_block(prev_block=prev_block, token_ids=block.token_ids,
                                                      block_size=self._block_size,
-                                                     physical_block_id=block.block_id)
+                                                     physical_block_id=block.block_id, extra_hash=block.extra_hash)
             forked_blocks.append(prev_block)
         return forked_blocks
 
@@ -152,7 +152,7 @@ class NaiveBlockAllocator(BlockAllocator):
             raise BlockStateError("copy on write needs an allocated block")
         if self._cow_tracker.is_appendable(block):
             return src_block_id
-        if not self._free_block_indices:              # before dropping the shared reference
+        if self.get_num_free_blocks() == 0:           # before dropping the shared reference
             raise BlockAllocator.NoFreeBlocksError("no free block to copy a shared block into")
         self._free_block_id(block)
         trg_block_id = self._allocate_block_id()
@@ -198,11 +198,17 @@ class NaiveBlockAllocator(BlockAllocator):
         if len(blocks) > len(self._free_block_indices):
             raise BlockAllocator.NoFreeBlocksError(f"{len(blocks)} blocks to swap in, "
                                                    f"{len(self._free_block_indices)} free")
+        self._swap_in(blocks)
+
+    def _swap_in(self, blocks: list[Block]) -> None:
         for block in blocks:
+            # A temporary block takes the id (full blocks as immutable ones: the prefix-caching
+            # allocator may find them cached); the id then moves into the existing object.
             if block.is_full:
-                tmp_block = self.allocate_immutable_block(prev_block=block.prev_block, token_ids=block.token_ids)
+                tmp_block = self.allocate_immutable_block(prev_block=block.prev_block, token_ids=block.token_ids,
+                                                          extra_hash=block.extra_hash)
             else:
-                tmp_block = self.allocate_mutable_block(prev_block=block.prev_block)
+                tmp_block = self.allocate_mutable_block(prev_block=block.prev_block, extra_hash=block.extra_hash)
                 tmp_block.append_token_ids(block.token_ids)
             block_id = tmp_block.block_id
             tmp_block.block_id = None

@@ -96,7 +96,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
                                  extra_hash: int | None = None, device: Device | None = None) -> Block:
         """A full block of ``token_ids`` after ``prev_block``: the cached block if this prefix is
         cached (a hit), else a fresh block promoted to the cache (a miss)."""
-        NaiveBlockAllocator._no_device(device)
+        self._no_device(device)
         if len(token_ids) != self._block_size:
             raise BlockStateError(f"an immutable block needs exactly {self._block_size} tokens, got {len(token_ids)}")
         block = self._block_pool.init_block(prev_block=prev_block, token_ids=token_ids, block_size=self._block_size,
@@ -126,7 +126,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         """One ``allocate_immutable_block`` per chunk, chained. All or nothing: a hit on a held
         block takes no free block, so when the chunks outnumber the free blocks the call is
         rehearsed on a copy first."""
-        NaiveBlockAllocator._no_device(device)
+        self._no_device(device)
         for token_ids in block_token_ids:
             if len(token_ids) != self._block_size:
                 raise BlockStateError(f"an immutable block needs exactly {self._block_size} tokens, "
@@ -145,13 +145,14 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             blocks.append(prev_block)
         return blocks
 
-    def allocate_mutable_block(self, prev_block: Block | None, extra_hash: int | None = None,
-                               device: Device | None = None) -> Block:
-        """An empty block with a fresh physical id (evicting a cached block if none is free)."""
-        NaiveBlockAllocator._no_device(device)
-        block_id = self._allocate_block_id()
-        return self._block_pool.init_block(prev_block=prev_block, token_ids=[], block_size=self._block_size,
-                                           physical_block_id=block_id, extra_hash=extra_hash)
+    # The same steps as the naive allocator's; the ids come and go through this class's own
+    # _allocate_block_id (which may evict) and _free_block_id (which may park in the evictor).
+    _no_device = staticmethod(NaiveBlockAllocator._no_device)
+    allocate_mutable_block = NaiveBlockAllocator.allocate_mutable_block
+    cow_block_if_not_appendable = NaiveBlockAllocator.cow_block_if_not_appendable
+    clear_copy_on_writes = NaiveBlockAllocator.clear_copy_on_writes
+    swap_out = NaiveBlockAllocator.swap_out
+    _swap_in = NaiveBlockAllocator._swap_in
 
     def _allocate_block_id(self) -> BlockId:
         """A free id from the hashless free list, else one taken back from the evictor."""
@@ -239,29 +240,18 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self._hashless_allocator.free_block_id(block_id)
 
     def fork(self, last_block: Block) -> list[Block]:
-        """A second chain over the same physical blocks, carrying the same ``extra_hash``."""
-        source_blocks = get_all_blocks_recursively(last_block)
-        for block in source_blocks:                      # all checked before any count changes
-            if block.block_id is None or self._refcounter.get(block.block_id) == 0:
-                raise BlockStateError(f"can't fork free'd block_id = {block.block_id}")
-        forked_blocks: list[Block] = []
-        prev_block = None
-        for block in source_blocks:
-            self._refcounter.incr(block.block_id)
-            forked = self._block_pool.init_block(prev_block=prev_block, token_ids=block.token_ids,
-                                                 block_size=self._block_size,
-                                                 physical_block_id=block.block_id, extra_hash=block.extra_hash)
-            # Same tokens, same prefix: the fork keeps the source's hash and token total (they
-            # stay right even when the source's chain was cut by a sliding window).
-            forked._cached_content_hash = block.content_hash
-            forked._cached_num_tokens_total = block.num_tokens_total
-            forked_blocks.append(forked)
-            prev_block = forked
+        """The naive fork (each id gains a holder, the blocks keep their ``extra_hash``). Same
+        tokens, same prefix: the forks also keep the source's hash and token total, which stay
+        right even where a sliding window has cut the source's chain."""
+        forked_blocks = NaiveBlockAllocator.fork(self, last_block)
+        for source, forked in zip(get_all_blocks_recursively(last_block), forked_blocks):
+            forked._cached_content_hash = source.content_hash
+            forked._cached_num_tokens_total = source.num_tokens_total
         return forked_blocks
 
     # ---- Counts and ids ---------------------------------------------------------------------------
     def get_num_free_blocks(self, device: Device | None = None) -> int:
-        NaiveBlockAllocator._no_device(device)
+        self._no_device(device)
         return self._hashless_allocator.get_num_free_blocks() + self.evictor.num_blocks
 
     def get_num_total_blocks(self) -> int:
@@ -317,24 +307,6 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self._incr_refcount_cached_block(block)
         return block.block_id
 
-    # ---- Copy on write ----------------------------------------------------------------------------
-    def cow_block_if_not_appendable(self, block: Block) -> BlockId:
-        """As in the naive allocator; the fresh id may come from the evictor."""
-        src_block_id = block.block_id
-        if src_block_id is None:
-            raise BlockStateError("copy on write needs an allocated block")
-        if self._cow_tracker.is_appendable(block):
-            return src_block_id
-        if self.get_num_free_blocks() == 0:           # before dropping the shared reference
-            raise BlockAllocator.NoFreeBlocksError("no free block to copy a shared block into")
-        self._free_block_id(block)
-        trg_block_id = self._allocate_block_id()
-        self._cow_tracker.record_cow(src_block_id, trg_block_id)
-        return trg_block_id
-
-    def clear_copy_on_writes(self) -> list[tuple[BlockId, BlockId]]:
-        return self._cow_tracker.clear_cows()
-
     # ---- Access times and computed state ------------------------------------------------------------
     def mark_blocks_as_accessed(self, block_ids: list[int], now: float) -> None:
         """Stamp held blocks (in their tracker) and waiting ones (in the evictor) with ``now``."""
@@ -389,27 +361,12 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         return num_touched_blocks
 
     # ---- Swapping ---------------------------------------------------------------------------------
-    def swap_out(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            self._free_block_id(block)
-
     def swap_in(self, blocks: list[Block]) -> None:
-        """Give each block an id here, keeping its object; full blocks may hit the cache."""
+        """Give each block an id here, keeping its object; full blocks may hit the cache (so
+        more blocks than are free may fit: then the swap is rehearsed on a copy first)."""
         if len(blocks) > self.get_num_free_blocks():
             rehearse(lambda s: s[0]._swap_in(s[1]), (self, blocks))
         self._swap_in(blocks)
-
-    def _swap_in(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            if block.is_full:
-                tmp_block = self.allocate_immutable_block(prev_block=block.prev_block, token_ids=block.token_ids,
-                                                          extra_hash=block.extra_hash)
-            else:
-                tmp_block = self.allocate_mutable_block(prev_block=block.prev_block, extra_hash=block.extra_hash)
-                tmp_block.append_token_ids(block.token_ids)
-            block_id = tmp_block.block_id
-            self._block_pool.free_block(tmp_block)
-            block.block_id = block_id
 
     def find_cached_blocks_prefix(self, block_hashes: list[int]) -> list[int]:
         """The leading hashes whose blocks are cached with their KV computed. A binary search:
