@@ -26,6 +26,7 @@ class NaiveBlockAllocator(BlockAllocator):
                              f"of {len(block_ids)}")
         self._free_block_indices: deque[BlockId] = deque(block_ids)
         self._all_block_indices = frozenset(block_ids)
+        self._physical_block_ids = {block_id: i for i, block_id in enumerate(sorted(block_ids))}
         self._refcounter = RefCounter(all_block_indices=self._free_block_indices)
         self._block_size = block_size
         self._cow_tracker = CopyOnWriteTracker(refcounter=self._refcounter.as_readonly())
@@ -131,9 +132,9 @@ class NaiveBlockAllocator(BlockAllocator):
     def get_physical_block_id(self, absolute_id: int) -> int:
         """The position of ``absolute_id`` among this allocator's ids in ascending order (a CPU
         allocator's ids follow the GPU's, but its cache tensor starts at 0)."""
-        if absolute_id not in self._all_block_indices:
+        if absolute_id not in self._physical_block_ids:
             raise KeyError(f"block id {absolute_id} does not belong to this allocator")
-        return sorted(self._all_block_indices).index(absolute_id)
+        return self._physical_block_ids[absolute_id]
 
     @property
     def refcounter(self):

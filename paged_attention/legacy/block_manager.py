@@ -1,0 +1,304 @@
+"""The legacy block manager (spec §1.7, §1.8): where block tables meet the scheduler.
+
+The scheduler asks it four kinds of question, each a count of blocks against the free pool:
+can this request be admitted (keeping a *watermark* of GPU blocks in reserve), can every running
+sequence grow by its new tokens, can a group be swapped out to the CPU, and back in. Then it
+tells it what to do: allocate a group's tables (the first sequence allocates, the others fork),
+append slots (returning the copy-on-write pairs for ``copy_blocks``), fork, swap (returning
+device-relative pairs for ``swap_blocks``) and free.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from paged_attention.legacy.block_table import BlockTable
+from paged_attention.legacy.common import BlockStateError, rehearse
+from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+from paged_attention.legacy.interfaces import AllocStatus, BlockAllocator
+from paged_attention.legacy.prefix_caching_block import ComputedBlocksTracker, LastAccessBlocksTracker
+from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_attention.utils import Device
+
+__all__ = ["SelfAttnBlockSpaceManager", "AllocStatus", "check_no_caching_or_swa_for_blockmgr_encdec"]
+
+SeqId = int
+
+
+def check_no_caching_or_swa_for_blockmgr_encdec(block_mgr: SelfAttnBlockSpaceManager, seq_group: SequenceGroup) -> None:
+    """Encoder/decoder groups work with neither a sliding window nor prefix caching."""
+    if seq_group.is_encoder_decoder():
+        if block_mgr.max_block_sliding_window is not None:
+            raise NotImplementedError("Sliding window attention for encoder/decoder models is not currently supported.")
+        if block_mgr.enable_caching:
+            raise NotImplementedError("Prefix caching for encoder/decoder models is not currently supported.")
+
+
+class SelfAttnBlockSpaceManager:
+    """Block tables for every sequence (and a cross-attention table per encoder/decoder request),
+    over one CPU/GPU allocator: naive, or prefix caching when ``enable_caching``.
+
+    ``sliding_window`` (in tokens) becomes a window of ``sliding_window // block_size + 2``
+    blocks: the tokens a window can span may straddle one more block, and the block being
+    written is one more.
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
+                 sliding_window: Optional[int] = None, enable_caching: bool = False):
+        if not isinstance(watermark, (int, float)) or watermark < 0:
+            raise ValueError(f"watermark must be >= 0, got {watermark!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.sliding_window = sliding_window
+        self.max_block_sliding_window = None if sliding_window is None else sliding_window // block_size + 2
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.enable_caching = enable_caching
+        self.block_allocator = CpuGpuBlockAllocator.create(
+            allocator_type="prefix_caching" if enable_caching else "naive", num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, block_size=block_size)
+        self.block_tables: dict[SeqId, BlockTable] = {}
+        self.cross_block_tables: dict[str, BlockTable] = {}       # request id -> encoder's table
+        self._computed_blocks_tracker = ComputedBlocksTracker(self.block_allocator, block_size, enable_caching)
+        self._last_access_blocks_tracker = LastAccessBlocksTracker(self.block_allocator)
+
+    def _table(self, seq: Sequence) -> BlockTable:
+        if seq.seq_id not in self.block_tables:
+            raise KeyError(f"sequence {seq.seq_id} has no block table (not allocated, or freed)")
+        return self.block_tables[seq.seq_id]
+
+    # ---- Admission ----------------------------------------------------------------------------
+    def can_allocate(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
+        """OK if the group's first waiting sequence fits now with the watermark to spare; NEVER
+        if it could not fit even in an empty pool; LATER otherwise."""
+        check_no_caching_or_swa_for_blockmgr_encdec(self, seq_group)
+        num_required_blocks = self._num_required_blocks(seq_group, num_lookahead_slots)
+        if self.max_block_sliding_window is not None:
+            num_required_blocks = min(num_required_blocks, self.max_block_sliding_window)
+        num_free_gpu_blocks = self.block_allocator.get_num_free_blocks(device=Device.GPU)
+        if self.num_total_gpu_blocks - num_required_blocks < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if num_free_gpu_blocks - num_required_blocks >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def _num_required_blocks(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> int:
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if not waiting:
+            raise ValueError(f"request {seq_group.request_id!r} has no waiting sequence to allocate")
+        num_required_blocks = BlockTable.get_num_required_blocks(waiting[0].get_token_ids(), self.block_size,
+                                                                 num_lookahead_slots)
+        if seq_group.is_encoder_decoder():
+            num_required_blocks += BlockTable.get_num_required_blocks(seq_group.get_encoder_seq().get_token_ids(),
+                                                                      self.block_size)
+        return num_required_blocks
+
+    def _allocate_sequence(self, seq: Sequence) -> BlockTable:
+        block_table = BlockTable(block_size=self.block_size, block_allocator=self.block_allocator,
+                                 max_block_sliding_window=self.max_block_sliding_window)
+        if seq.get_token_ids():
+            block_table.allocate(token_ids=seq.get_token_ids(), extra_hash=seq.extra_hash())
+        return block_table
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """Tables for the group's waiting sequences: the first allocates its tokens, the others
+        fork it (parallel samples share the prompt's blocks), plus the encoder's cross table."""
+        waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if not waiting:
+            raise ValueError(f"request {seq_group.request_id!r} has no waiting sequence to allocate")
+        if any(seq.seq_id in self.block_tables for seq in waiting):
+            raise BlockStateError("block table already exists")
+        if seq_group.request_id in self.cross_block_tables:
+            raise BlockStateError(f"request {seq_group.request_id!r} already has a cross-attention block table")
+        check_no_caching_or_swa_for_blockmgr_encdec(self, seq_group)
+        if seq_group.is_encoder_decoder():
+            # Two tables from a naive pool (the guard excludes caching): both fit, or neither is made.
+            num_free = self.block_allocator.get_num_free_blocks(Device.GPU)
+            needed = self._num_required_blocks(seq_group)
+            if needed > num_free:
+                raise BlockAllocator.NoFreeBlocksError(f"{needed} blocks needed, {num_free} free")
+
+        block_table = self._allocate_sequence(waiting[0])
+        self.block_tables[waiting[0].seq_id] = block_table
+        self._last_access_blocks_tracker.add_seq(waiting[0].seq_id)
+        for seq in waiting[1:]:
+            self.block_tables[seq.seq_id] = block_table.fork()
+            self._last_access_blocks_tracker.add_seq(seq.seq_id)
+
+        if seq_group.is_encoder_decoder():
+            self.cross_block_tables[seq_group.request_id] = self._allocate_sequence(seq_group.get_encoder_seq())
+
+    # ---- Decoding ---------------------------------------------------------------------------------
+    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int) -> bool:
+        """Do the blocks every running sequence would write into fit in the free GPU blocks?
+        (An upper bound, with no watermark: appends must not be refused for it.)"""
+        num_touched_blocks = 0
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            block_table = self._table(seq)
+            num_touched_blocks += block_table.get_num_blocks_touched_by_append_slots(
+                token_ids=block_table.get_unseen_token_ids(seq.get_token_ids()),
+                num_lookahead_slots=num_lookahead_slots)
+        return num_touched_blocks <= self.block_allocator.get_num_free_blocks(Device.GPU)
+
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int) -> list[tuple[int, int]]:
+        """Append the sequence's unseen tokens; returns the new copy-on-write pairs (absolute
+        GPU ids, which are also the GPU cache's block indices)."""
+        block_table = self._table(seq)
+        block_table.append_token_ids(token_ids=block_table.get_unseen_token_ids(seq.get_token_ids()),
+                                     num_lookahead_slots=num_lookahead_slots,
+                                     num_computed_slots=seq.data.get_num_computed_tokens(),
+                                     extra_hash=seq.extra_hash())
+        return self.block_allocator.clear_copy_on_writes()
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares all of the parent's blocks (nothing happens if the parent has none)."""
+        if parent_seq.seq_id not in self.block_tables:
+            return
+        if child_seq.seq_id in self.block_tables:
+            raise BlockStateError(f"sequence {child_seq.seq_id} already has a block table")
+        self.block_tables[child_seq.seq_id] = self.block_tables[parent_seq.seq_id].fork()
+        self._last_access_blocks_tracker.add_seq(child_seq.seq_id)
+
+    # ---- Freeing ------------------------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Release a finished (or preempted) sequence's blocks; a sequence with no table is a
+        no-op. With caching, its blocks are first stamped with its last access time, so the
+        evictor keeps recently used prefixes longer."""
+        seq_id = seq.seq_id
+        if seq_id not in self.block_tables:
+            return
+        block_table = self.block_tables[seq_id]
+        # Only GPU blocks carry access times (a swapped-out table's ids are CPU ids).
+        gpu_ids = [i for i in block_table.physical_block_ids if i < self.num_total_gpu_blocks]
+        self._last_access_blocks_tracker.update_seq_blocks_last_access(seq_id, gpu_ids)
+        self._last_access_blocks_tracker.remove_seq(seq_id)
+        self.remove_seq_from_computed_blocks_tracker(seq)
+        block_table.free()
+        del self.block_tables[seq_id]
+
+    def remove_seq_from_computed_blocks_tracker(self, seq: Sequence) -> None:
+        """Forget the sequence's prefix hashes. vLLM asserts they exist (so ``free`` failed for a
+        sequence never asked about); here a sequence that was never tracked is fine."""
+        if seq.seq_id in self._computed_blocks_tracker:
+            self._computed_blocks_tracker.remove_seq(seq.seq_id)
+
+    def free_cross(self, seq_group: SequenceGroup) -> None:
+        request_id = seq_group.request_id
+        if request_id not in self.cross_block_tables:
+            return
+        self.cross_block_tables[request_id].free()
+        del self.cross_block_tables[request_id]
+
+    # ---- Reading tables -------------------------------------------------------------------------------
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return self._table(seq).physical_block_ids
+
+    def get_cross_block_table(self, seq_group: SequenceGroup) -> list[int]:
+        request_id = seq_group.request_id
+        if request_id not in self.cross_block_tables:
+            raise KeyError(f"request {request_id!r} has no cross-attention block table")
+        return self.cross_block_tables[request_id].physical_block_ids
+
+    # ---- Prefix caching -------------------------------------------------------------------------------
+    def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
+        """Note when the sequence last ran; its blocks get the time when it is freed."""
+        if self.enable_caching:
+            self._last_access_blocks_tracker.update_last_access(seq.seq_id, now)
+
+    def mark_blocks_as_computed(self, seq_group: SequenceGroup, token_chunk_size: int) -> None:
+        """Every block promoted since the last call now holds computed KV (the arguments are
+        ignored, as in vLLM: it is called right after a prefill is scheduled)."""
+        self.block_allocator.mark_blocks_as_computed([])
+
+    def get_common_computed_block_ids(self, seqs: list[Sequence]) -> list[int]:
+        """The leading block ids that every sequence has cached and computed (the prefill can
+        skip them)."""
+        computed_seq_block_ids = []
+        for seq in seqs:
+            all_blocks = self._table(seq).physical_block_ids
+            num_cached_tokens = self._computed_blocks_tracker.get_num_cached_tokens(seq)
+            computed_seq_block_ids.append(all_blocks[:num_cached_tokens // self.block_size])
+        return self.block_allocator.get_common_computed_block_ids(computed_seq_block_ids)
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        return self._computed_blocks_tracker.get_num_cached_tokens(seq)
+
+    def get_prefix_cache_hit_rate(self, device: Device) -> float:
+        return self.block_allocator.get_prefix_cache_hit_rate(device)
+
+    def reset_prefix_cache(self, device: Optional[Device] = None) -> bool:
+        return self.block_allocator.reset_prefix_cache(device)
+
+    # ---- Swapping ---------------------------------------------------------------------------------------
+    def can_swap_in(self, seq_group: SequenceGroup, num_lookahead_slots: int) -> AllocStatus:
+        return self._can_swap(seq_group, Device.GPU, SequenceStatus.SWAPPED, num_lookahead_slots)
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        return self._can_swap(seq_group, Device.CPU, SequenceStatus.RUNNING) == AllocStatus.OK
+
+    def _can_swap(self, seq_group: SequenceGroup, device: Device, status: SequenceStatus,
+                  num_lookahead_slots: int = 0) -> AllocStatus:
+        """Blocks the move would take on ``device``: the full blocks that are not there already
+        (prefix caching may find some), plus those the unseen tokens will touch. The watermark
+        applies to the GPU only."""
+        num_blocks_touched = 0
+        blocks = []
+        for seq in seq_group.get_seqs(status=status):
+            block_table = self._table(seq)
+            num_blocks_touched += block_table.get_num_blocks_touched_by_append_slots(
+                block_table.get_unseen_token_ids(seq.get_token_ids()), num_lookahead_slots=num_lookahead_slots)
+            blocks.extend(block_table.blocks)
+        num_blocks_touched += self.block_allocator.get_num_full_blocks_touched(blocks, device=device)
+        watermark_blocks = self.watermark_blocks if device == Device.GPU else 0
+        if self.block_allocator.get_num_total_blocks(device) < num_blocks_touched:
+            return AllocStatus.NEVER
+        if self.block_allocator.get_num_free_blocks(device) - num_blocks_touched >= watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's swapped sequences to the GPU; returns (CPU block, GPU block) pairs
+        of device-relative ids, the indices ``swap_blocks`` takes."""
+        return self._swap(seq_group, SequenceStatus.SWAPPED, Device.CPU, Device.GPU)
+
+    def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's running sequences to the CPU; returns (GPU block, CPU block) pairs
+        of device-relative ids."""
+        return self._swap(seq_group, SequenceStatus.RUNNING, Device.GPU, Device.CPU)
+
+    def _swap(self, seq_group: SequenceGroup, status: SequenceStatus, src_device: Device,
+              dst_device: Device) -> list[tuple[int, int]]:
+        """All or nothing over the whole group: every table is checked to be on ``src_device``,
+        and when the destination might not take them all, the swap is rehearsed on a copy."""
+        seqs = [seq for seq in seq_group.get_seqs(status=status) if self._table(seq).blocks]
+        src_ids = self.block_allocator._allocators[src_device].all_block_ids
+        for seq in seqs:
+            if any(block_id not in src_ids for block_id in self._table(seq).physical_block_ids):
+                raise ValueError(f"sequence {seq.seq_id}'s blocks are not on {src_device.name}: "
+                                 f"swap_{'in' if dst_device == Device.GPU else 'out'} needs them there")
+        num_blocks = sum(len(self._table(seq).blocks) for seq in seqs)
+        if num_blocks > self.block_allocator.get_num_free_blocks(dst_device):
+            rehearse(lambda s: s[0]._swap_tables(s[1], src_device, dst_device), (self, seqs))
+        return self._swap_tables(seqs, src_device, dst_device)
+
+    def _swap_tables(self, seqs: list[Sequence], src_device: Device, dst_device: Device) -> list[tuple[int, int]]:
+        physical_block_id_mapping = []
+        for seq in seqs:
+            block_table = self.block_tables[seq.seq_id]
+            blocks = block_table.blocks
+            seq_swap_mapping = self.block_allocator.swap(blocks=blocks, src_device=src_device, dst_device=dst_device)
+            block_table.update(blocks)
+            physical_block_id_mapping.extend(
+                (self.block_allocator.get_physical_block_id(src_device, src_id),
+                 self.block_allocator.get_physical_block_id(dst_device, dst_id))
+                for src_id, dst_id in seq_swap_mapping.items())
+        return physical_block_id_mapping
+
+    # ---- Counts ---------------------------------------------------------------------------------------------
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.block_allocator.get_num_free_blocks(Device.GPU)
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.block_allocator.get_num_free_blocks(Device.CPU)
