@@ -91,12 +91,16 @@ class BlockTable:
         """An upper bound on the free blocks an append can take: the null block if not made yet,
         the new blocks, and a copy for each shared block written into (a promotion never takes
         one; freeing blocks outside the window only gives some back)."""
-        needed = max(0, cdiv(len(token_ids) + num_lookahead_slots - self._num_empty_slots, self._block_size))
+        num_blocks = len(self._blocks)
+        num_empty_slots = num_blocks * self._block_size - self._num_full_slots
+        needed = max(0, cdiv(len(token_ids) + num_lookahead_slots - num_empty_slots, self._block_size))
         if self._max_block_sliding_window is not None:
             needed += 1                          # the null block (at most once; a bound is enough)
-        num_chunks = len(self._chunk_token_blocks_for_append(token_ids))
-        num_existing_written = min(num_chunks, len(self._blocks) - self._num_full_slots // self._block_size)
-        return needed + max(0, num_existing_written)   # a write into an existing block may copy it
+        if token_ids:                            # a write into an existing block may copy it
+            first_chunk_size = self._block_size - self._num_full_slots % self._block_size
+            num_chunks = 1 + cdiv(max(0, len(token_ids) - first_chunk_size), self._block_size)
+            needed += max(0, min(num_chunks, num_blocks - self._num_full_slots // self._block_size))
+        return needed
 
     def _append_token_ids(self, token_ids: list[int], num_lookahead_slots: int,
                           num_computed_slots: Optional[int], extra_hash: Optional[int]) -> None:

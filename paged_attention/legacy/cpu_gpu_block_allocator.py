@@ -48,6 +48,7 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
         if cpu_block_allocator.all_block_ids & gpu_block_allocator.all_block_ids:
             raise ValueError("cpu and gpu block allocators can't have intersection of block ids")
         self._allocators = {Device.CPU: cpu_block_allocator, Device.GPU: gpu_block_allocator}
+        self._cpu_allocator, self._gpu_allocator = cpu_block_allocator, gpu_block_allocator
         self._swap_mapping: dict[int, int] = {}            # absolute src id -> absolute dst id
         self._null_block: NullBlock | None = None
         self._block_ids_to_allocator: dict[int, BlockAllocator] = {}
@@ -56,9 +57,12 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
                 self._block_ids_to_allocator[block_id] = allocator
 
     def _allocator(self, device: Device) -> BlockAllocator:
-        if device not in self._allocators:
-            raise ValueError(f"unknown device {device!r}: expected Device.GPU or Device.CPU")
-        return self._allocators[device]
+        # Identity tests: called on every append, and an Enum's hash is slow Python code.
+        if device is Device.GPU:
+            return self._gpu_allocator
+        if device is Device.CPU:
+            return self._cpu_allocator
+        raise ValueError(f"unknown device {device!r}: expected Device.GPU or Device.CPU")
 
     def _owner(self, block: Block) -> BlockAllocator:
         """The allocator that owns ``block``'s id."""
@@ -150,16 +154,16 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
 
     # ---- Copy on write, access times and the prefix cache: the GPU's ----------------------------------
     def clear_copy_on_writes(self) -> list[tuple[int, int]]:
-        return self._allocators[Device.GPU].clear_copy_on_writes()
+        return self._gpu_allocator.clear_copy_on_writes()
 
     def mark_blocks_as_accessed(self, block_ids: list[int], now: float) -> None:
-        self._allocators[Device.GPU].mark_blocks_as_accessed(block_ids, now)
+        self._gpu_allocator.mark_blocks_as_accessed(block_ids, now)
 
     def mark_blocks_as_computed(self, block_ids: list[int]) -> None:
-        self._allocators[Device.GPU].mark_blocks_as_computed(block_ids)
+        self._gpu_allocator.mark_blocks_as_computed(block_ids)
 
     def get_common_computed_block_ids(self, computed_seq_block_ids: list[list[int]]) -> list[int]:
-        return self._allocators[Device.GPU].get_common_computed_block_ids(computed_seq_block_ids)
+        return self._gpu_allocator.get_common_computed_block_ids(computed_seq_block_ids)
 
     def get_prefix_cache_hit_rate(self, device: Device) -> float:
         return self._allocator(device).get_prefix_cache_hit_rate()

@@ -29,41 +29,45 @@ class SequenceStatus(enum.IntEnum):
 
 
 class SequenceData:
-    """A sequence's tokens and how many of them the model has computed (their KV is cached)."""
+    """A sequence's tokens and how many of them the model has computed (their KV is cached).
+
+    The tokens are kept in one list (prompt, then output), so ``get_token_ids`` costs nothing:
+    the block manager asks for it at every step. Treat the returned list as read-only.
+    """
 
     def __init__(self, prompt_token_ids: list[int], output_token_ids: Optional[list[int]] = None):
-        self._prompt_token_ids = list(prompt_token_ids)
-        self._output_token_ids = list(output_token_ids or [])
+        self._token_ids = list(prompt_token_ids) + list(output_token_ids or [])
+        self._prompt_len = len(prompt_token_ids)
         self._num_computed_tokens = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self._prompt_token_ids
+        return self._token_ids[:self._prompt_len]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._output_token_ids
+        return self._token_ids[self._prompt_len:]
 
     def append_token_id(self, token_id: int) -> None:
-        self._output_token_ids.append(token_id)
+        self._token_ids.append(token_id)
 
     def get_len(self) -> int:
-        return len(self._prompt_token_ids) + len(self._output_token_ids)
+        return len(self._token_ids)
 
     def get_prompt_len(self) -> int:
-        return len(self._prompt_token_ids)
+        return self._prompt_len
 
     def get_token_ids(self) -> list[int]:
-        return self._prompt_token_ids + self._output_token_ids
+        return self._token_ids
 
     def get_num_computed_tokens(self) -> int:
         return self._num_computed_tokens
 
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         """``num_new_computed_tokens`` more tokens have been computed (an increment)."""
-        if num_new_computed_tokens < 0 or self._num_computed_tokens + num_new_computed_tokens > self.get_len():
+        if num_new_computed_tokens < 0 or self._num_computed_tokens + num_new_computed_tokens > len(self._token_ids):
             raise ValueError(f"cannot compute {num_new_computed_tokens} more tokens: {self._num_computed_tokens} "
-                             f"of {self.get_len()} are computed")
+                             f"of {len(self._token_ids)} are computed")
         self._num_computed_tokens += num_new_computed_tokens
 
     def reset_state_for_recompute(self) -> None:
