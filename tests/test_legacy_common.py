@@ -106,8 +106,10 @@ def test_block_list_keeps_ids_in_step():
     with pytest.raises(ValueError):
         bl.update([FakeBlock(None, [], 4, None, block_id=1), FakeBlock(None, [], 4, None)])
     assert ids == [8, 9, 3] and len(bl) == 3             # a refused update changes nothing
+    bl.update([FakeBlock(None, [], 4, None, block_id=4)])
+    assert bl.ids() == [4] and ids == [8, 9, 3]           # a list fetched before keeps its ids
     bl.reset()
-    assert len(bl) == 0 and bl.ids() == [] and bl.ids() is ids
+    assert len(bl) == 0 and bl.ids() == [] and ids == [8, 9, 3]
 
 
 def test_cache_metric_is_a_running_ratio():

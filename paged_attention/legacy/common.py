@@ -198,8 +198,8 @@ class BlockList:
     def update(self, blocks: list[Block]) -> None:
         ids = [self._id_of(b) for b in blocks]          # check all before changing anything
         self._blocks = blocks
-        self._block_ids.clear()                          # the same list object, refilled
-        self._block_ids.extend(ids)
+        # A new list: one a caller fetched before (say, the ids before a swap) keeps its ids.
+        self._block_ids = ids
 
     def append_token_ids(self, block_index: int, token_ids: list[int]) -> None:
         block = self._blocks[block_index]
@@ -224,12 +224,14 @@ class BlockList:
 
     def reset(self) -> None:
         self._blocks = []
-        self._block_ids.clear()
+        self._block_ids = []
 
     def list(self) -> list[Block]:
         return self._blocks
 
     def ids(self) -> list[int]:
+        """The ids, as a live list: appends, copies on write and promotions change it in place;
+        ``update`` and ``reset`` start a new one."""
         return self._block_ids
 
 
