@@ -95,7 +95,9 @@ def test_swap_out_and_in_return_device_relative_pairs_and_restore_tokens():
     _run(seqs)
     assert mgr.can_swap_out(group)
     before = list(seqs[0].get_token_ids())
+    gpu_table = mgr.get_block_table(seqs[0])
     assert mgr.swap_out(group) == [(0, 0), (1, 1), (2, 2)]   # GPU 0-2 -> CPU 0-2 (absolute 8-10)
+    assert gpu_table == [0, 1, 2]                            # a table fetched before keeps its ids
     assert mgr.get_block_table(seqs[0]) == [8, 9, 10] and mgr.get_num_free_gpu_blocks() == 8
     with pytest.raises(ValueError, match="not on GPU"):
         mgr.swap_out(group)
