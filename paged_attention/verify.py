@@ -207,7 +207,10 @@ class _CacheCopy:
     layout: str                  # "v0": vLLM's v0 layout; "flash": [num_blocks, block_size, H_kv, D]
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+    cpu_key_cache: torch.Tensor
+    cpu_value_cache: torch.Tensor
     skipped: str | None = None
+    swapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # CPU id -> block sent
 
 
 class PagedCacheCheck:
@@ -226,30 +229,35 @@ class PagedCacheCheck:
 
     ``write`` scatters a sequence's new tokens to ``physical id * block_size + offset`` through
     its table; ``fork`` notes that a child shares its parent's written tokens; ``copy_blocks``
-    applies copy-on-write pairs; ``check`` runs a decode step over the tables and compares each
+    applies copy-on-write pairs; ``swap_out`` and ``swap_in`` move blocks to a CPU cache (pinned
+    when there is a GPU) and back with ``swap_blocks``, checking that each block returns bit for
+    bit as it left; ``forget`` drops a finished sequence; ``check`` runs a decode step over the tables and compares each
     sequence's output with float64 dense attention over that sequence's own keys and values,
     computed from its tokens (``token_kv``), not read from any cache: a wrong table entry, a
     missed copy or a write to the wrong slot makes it fail with an ``AssertionError``.
 
     Block ids are the tables' ids: GPU ids, which the legacy allocator numbers from 0, so they
-    index the cache directly.
+    index the cache directly. Swap pairs are the block manager's device-relative ids, so a CPU
+    id indexes the CPU cache directly too.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, num_heads: int = 4, num_kv_heads: int = 2,
-                 head_size: int = 32, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 seed: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, *, num_cpu_blocks: int = 0, num_heads: int = 4,
+                 num_kv_heads: int = 2, head_size: int = 32, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, seed: int = 0):
         from paged_attention import runtime
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("num_heads", num_heads),
                             ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(num_cpu_blocks, int) or isinstance(num_cpu_blocks, bool) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         if head_size % ref.v0_x(dtype):
             raise ValueError(f"head_size ({head_size}) must be a multiple of {ref.v0_x(dtype)} for the v0 layout")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype, self.seed = dtype, seed
         self.device = torch.device(device) if device is not None else runtime.DEVICE
@@ -261,9 +269,14 @@ class PagedCacheCheck:
         shape = (num_blocks, block_size, num_kv_heads, head_size)
         garbage = [torch.randn(shape, generator=gen).to(device=self.device, dtype=dtype) for _ in range(2)]
         v0 = ref.flash_to_v0(*garbage)
-        self._copies = [_CacheCopy("reference", "v0", *[t.clone() for t in v0]),
-                        _CacheCopy("Triton", "flash", *[t.clone() for t in garbage]),
-                        _CacheCopy("CUDA (ours)", "v0", *[t.clone() for t in v0])]
+        # Host caches are pinned where there is a GPU, so swap_blocks' copies can run asynchronously.
+        pin = self.device.type == "cuda"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((num_cpu_blocks, *t.shape[1:]), dtype=dtype, pin_memory=pin)
+        self._copies = [_CacheCopy("reference", "v0", *[t.clone() for t in v0], *[host(t) for t in v0]),
+                        _CacheCopy("Triton", "flash", *[t.clone() for t in garbage], *[host(t) for t in garbage]),
+                        _CacheCopy("CUDA (ours)", "v0", *[t.clone() for t in v0], *[host(t) for t in v0])]
 
     # ---- what each implementation runs ---------------------------------------------------------
     @staticmethod
@@ -345,6 +358,73 @@ class PagedCacheCheck:
             module = ref if copy.layout == "flash" else self._module(copy)
             module.copy_blocks([copy.key_cache], [copy.value_cache], mapping)
         self._each(op)
+
+    def _pairs(self, pairs, src: tuple[str, int], dst: tuple[str, int]) -> torch.Tensor:
+        """Validate ``(src, dst)`` block-id pairs against both caches' sizes; an int64 ``[n, 2]``
+        CPU tensor, as ``swap_blocks`` wants."""
+        pairs = [tuple(p) for p in pairs]
+        for p in pairs:
+            if len(p) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) for i in p) \
+                    or not (0 <= p[0] < src[1] and 0 <= p[1] < dst[1]):
+                raise ValueError(f"each pair must be a {src[0]} block id in [0, {src[1]}) and a {dst[0]} block id "
+                                 f"in [0, {dst[1]}), got {p!r}")
+        return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+    def _swap_module(self, copy: _CacheCopy):
+        """Our CUDA copy swaps with our CUDA kernel; the others with the plain-torch one."""
+        return self._module(copy) if copy.name == "CUDA (ours)" else ref
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """Copy GPU block ``g`` to CPU block ``c`` for every ``(g, c)`` pair of
+        ``block_manager.swap_out``, and remember what each block held. Returns the number of
+        blocks copied."""
+        mapping = self._pairs(pairs, ("GPU", self.num_blocks), ("CPU", self.num_cpu_blocks))
+        if not mapping.numel():
+            return 0
+
+        def op(copy: _CacheCopy) -> None:
+            gpu = mapping[:, 0].to(copy.key_cache.device)
+            sent = (copy.key_cache[gpu].clone(), copy.value_cache[gpu].clone())
+            swap = self._swap_module(copy).swap_blocks
+            swap(copy.key_cache, copy.cpu_key_cache, mapping)
+            swap(copy.value_cache, copy.cpu_value_cache, mapping)
+            for row, cpu_id in enumerate(mapping[:, 1].tolist()):
+                copy.swapped[cpu_id] = (sent[0][row], sent[1][row])
+        self._each(op)
+        return len(set(mapping[:, 1].tolist()))
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> int:
+        """Copy CPU block ``c`` to GPU block ``g`` for every ``(c, g)`` pair of
+        ``block_manager.swap_in``; every block must arrive bit for bit as it was swapped out
+        (``AssertionError`` otherwise). Returns the number of blocks checked."""
+        mapping = self._pairs(pairs, ("CPU", self.num_cpu_blocks), ("GPU", self.num_blocks))
+        if not mapping.numel():
+            return 0
+        cpu_ids = sorted(set(mapping[:, 0].tolist()))
+        reference = self._copies[0]
+        unknown = [c for c in cpu_ids if c not in reference.swapped]
+        if unknown:
+            raise ValueError(f"CPU block {unknown[0]} was not swapped out through this check")
+
+        def op(copy: _CacheCopy) -> None:
+            swap = self._swap_module(copy).swap_blocks
+            swap(copy.cpu_key_cache, copy.key_cache, mapping)
+            swap(copy.cpu_value_cache, copy.value_cache, mapping)
+            for cpu_id, gpu_id in mapping.tolist():
+                key, value = copy.swapped[cpu_id]
+                if not (torch.equal(copy.key_cache[gpu_id], key) and torch.equal(copy.value_cache[gpu_id], value)):
+                    raise AssertionError(f"{copy.name}: CPU block {cpu_id} came back to GPU block {gpu_id} "
+                                         "different from what was swapped out")
+            for cpu_id in cpu_ids:
+                del copy.swapped[cpu_id]
+        self._each(op)
+        return len(cpu_ids)
+
+    def forget(self, name: str) -> None:
+        """``name`` finished: its tokens are no longer expected anywhere (its blocks may be reused)."""
+        if name not in self._tokens:
+            raise KeyError(f"no sequence named {name!r} has been written")
+        del self._tokens[name]
 
     def check(self, tables: Mapping[str, object]) -> Verification:
         """One decode step over ``tables`` by every implementation, each sequence compared with

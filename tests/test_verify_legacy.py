@@ -175,3 +175,80 @@ def test_bad_input():
     kv_w.write("w", w, list(range(21)), start=20)
     with pytest.raises(ValueError, match="sliding-window"):
         kv_w.check({"w": w})
+
+
+# ---- swapping through the block manager -------------------------------------------------------
+
+def swapped_round_trip(corrupt=None, fill_freed=False):
+    """Two groups decode; group A goes to the CPU and comes back to other GPU blocks."""
+    from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
+    from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
+    mgr = SelfAttnBlockSpaceManager(BS, 12, 8, watermark=0)
+    kv = verify.PagedCacheCheck(12, BS, num_cpu_blocks=8)
+    seqs = {"A": Sequence(1, list(range(100, 119)), BS), "B": Sequence(2, list(range(200, 211)), BS)}
+    groups = {name: SequenceGroup(name, [seq]) for name, seq in seqs.items()}
+    for name, seq in seqs.items():
+        mgr.allocate(groups[name])
+        seq.status = SequenceStatus.RUNNING
+        kv.write(name, mgr.block_tables[seq.seq_id], seq.get_token_ids())
+    gpu_ids = mgr.get_block_table(seqs["A"])
+    out_pairs = mgr.swap_out(groups["A"])
+    seqs["A"].status = SequenceStatus.SWAPPED
+    assert [g for g, _ in out_pairs] == gpu_ids
+    assert kv.swap_out(out_pairs) == len(gpu_ids)
+    if fill_freed:     # B grows into A's old blocks, overwriting them in every cache
+        for t in range(20):
+            seqs["B"].append_token_id(300 + t)
+        mgr.append_slots(seqs["B"], 0)
+        kv.write("B", mgr.block_tables[2], seqs["B"].get_token_ids())
+        assert set(gpu_ids) & set(mgr.get_block_table(seqs["B"]))
+    if corrupt is not None:
+        corrupt(kv, out_pairs)
+    in_pairs = mgr.swap_in(groups["A"])
+    seqs["A"].status = SequenceStatus.RUNNING
+    checked = kv.swap_in(in_pairs)
+    return mgr, kv, seqs, in_pairs, checked
+
+
+def test_swapped_blocks_come_back_bit_identical_and_attention_still_matches():
+    mgr, kv, seqs, in_pairs, checked = swapped_round_trip(fill_freed=True)
+    assert checked == 3 and len(in_pairs) == 3
+    tables = {name: mgr.block_tables[seq.seq_id] for name, seq in seqs.items()}
+    assert set(mgr.get_block_table(seqs["A"])) == {g for _, g in in_pairs}
+    v = kv.check(tables)
+    assert "Triton" in v.verified
+
+
+def test_a_block_changed_on_the_cpu_is_caught():
+    def scribble(kv, out_pairs):
+        for copy in kv._copies:
+            copy.cpu_key_cache[out_pairs[1][1]] += 1      # the second block's CPU copy, in every implementation
+    with pytest.raises(AssertionError, match="came back"):
+        swapped_round_trip(corrupt=scribble)
+
+
+def test_a_swap_that_was_not_applied_is_caught():
+    mgr, kv, seqs, in_pairs, _ = swapped_round_trip()
+    kv2 = verify.PagedCacheCheck(12, BS, num_cpu_blocks=8)       # a cache that never saw the swap out
+    with pytest.raises(ValueError, match="not swapped out"):
+        kv2.swap_in(in_pairs)
+
+
+def test_swap_bad_input_and_forget():
+    kv = verify.PagedCacheCheck(12, BS, num_cpu_blocks=4)
+    with pytest.raises(ValueError, match="CPU block id in \\[0, 4\\)"):
+        kv.swap_out([(0, 4)])
+    with pytest.raises(ValueError, match="GPU block id in \\[0, 12\\)"):
+        kv.swap_out([(12, 0)])
+    with pytest.raises(ValueError, match="pair"):
+        kv.swap_in([(0, 1, 2)])
+    with pytest.raises(ValueError, match="num_cpu_blocks"):
+        verify.PagedCacheCheck(12, BS, num_cpu_blocks=-1)
+    assert kv.swap_out([]) == 0 and kv.swap_in([]) == 0
+    with pytest.raises(KeyError):
+        kv.forget("A")
+    _, tables, tokens = two_sequences()
+    kv.write("A", tables["A"], tokens["A"])
+    kv.forget("A")
+    with pytest.raises(ValueError, match="been written"):
+        kv.check({"A": tables["A"]})
