@@ -55,9 +55,10 @@ class RefCounter:
         self._refcounts: dict[BlockId, int] = {index: 0 for index in dict.fromkeys(all_block_indices)}
 
     def _count(self, block_id: BlockId) -> int:
-        if block_id not in self._refcounts:
-            raise UnknownBlockIdError(block_id)
-        return self._refcounts[block_id]
+        try:
+            return self._refcounts[block_id]
+        except KeyError:
+            raise UnknownBlockIdError(block_id) from None
 
     def incr(self, block_id: BlockId) -> int:
         count = self._count(block_id)

@@ -282,13 +282,14 @@ class NaiveBlock(Block):
     def block_id(self, value: int | None) -> None:
         self._block_id = value
 
+    # The two below read ``_token_ids`` directly: they run on every append of every sequence.
     @property
     def is_full(self) -> bool:
-        return self.num_empty_slots == 0
+        return len(self._token_ids) == self._block_size
 
     @property
     def num_empty_slots(self) -> int:
-        return self._block_size - len(self.token_ids)
+        return self._block_size - len(self._token_ids)
 
     @property
     def token_ids(self) -> list[int]:
