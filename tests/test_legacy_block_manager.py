@@ -192,3 +192,53 @@ def test_encoder_decoder_groups():
         with pytest.raises(NotImplementedError):
             guarded.allocate(group)
         assert guarded.get_num_free_gpu_blocks() == 8
+
+
+def test_bad_input_raises_and_changes_nothing():
+    mgr = SelfAttnBlockSpaceManager(BS, 8, 4, watermark=0)
+    group, (seq,) = _group(0, [range(6)])
+    mgr.allocate(group)
+    before = _state(mgr)
+
+    # Allocating a group twice: its sequences still waiting (tables exist), or already running.
+    with pytest.raises(ValueError, match="already exists"):
+        mgr.allocate(group)
+    _run([seq])
+    with pytest.raises(ValueError, match="no waiting sequence"):
+        mgr.allocate(group)
+    with pytest.raises(ValueError, match="no waiting sequence"):
+        mgr.can_allocate(group)
+    # Appending to, or asking about, a sequence that has no table.
+    stranger_group, (stranger,) = _group(1, [range(3)], first_seq_id=7)
+    _run([stranger])
+    with pytest.raises(KeyError, match="no block table"):
+        mgr.append_slots(stranger, 0)
+    with pytest.raises(KeyError, match="no block table"):
+        mgr.can_append_slots(stranger_group, 0)
+    with pytest.raises(KeyError):
+        mgr.get_block_table(stranger)
+    # Swapping in what was never swapped out (its blocks are on the GPU).
+    seq.status = SequenceStatus.SWAPPED
+    with pytest.raises(ValueError, match="not on CPU"):
+        mgr.swap_in(group)
+    seq.status = SequenceStatus.RUNNING
+    # Forking onto a sequence that already has a table.
+    with pytest.raises(ValueError, match="already has a block table"):
+        mgr.fork(seq, seq)
+    # Negative lookahead slots.
+    with pytest.raises(ValueError, match="num_lookahead_slots"):
+        mgr.can_append_slots(group, -1)
+    with pytest.raises(ValueError, match="num_lookahead_slots"):
+        mgr.append_slots(seq, -1)
+    assert _state(mgr) == before
+
+    # A scheduler that skips can_allocate: the table is made whole or not at all.
+    big, (huge,) = _group(2, [range(40)], first_seq_id=20)
+    with pytest.raises(BlockAllocator.NoFreeBlocksError):
+        mgr.allocate(big)
+    assert _state(mgr) == before and 20 not in mgr.block_tables
+
+    for kwargs, match in (({"watermark": -0.01}, "watermark"), ({"watermark": "1%"}, "watermark"),
+                          ({"sliding_window": 0}, "sliding_window"), ({"sliding_window": 2.5}, "sliding_window")):
+        with pytest.raises(ValueError, match=match):
+            SelfAttnBlockSpaceManager(BS, 8, 4, **kwargs)

@@ -24,6 +24,11 @@ __all__ = ["SelfAttnBlockSpaceManager", "AllocStatus", "check_no_caching_or_swa_
 SeqId = int
 
 
+def _check_lookahead(num_lookahead_slots: int) -> None:
+    if num_lookahead_slots < 0:
+        raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+
+
 def check_no_caching_or_swa_for_blockmgr_encdec(block_mgr: SelfAttnBlockSpaceManager, seq_group: SequenceGroup) -> None:
     """Encoder/decoder groups work with neither a sliding window nor prefix caching."""
     if seq_group.is_encoder_decoder():
@@ -74,6 +79,7 @@ class SelfAttnBlockSpaceManager:
         """OK if the group's first waiting sequence fits now with the watermark to spare; NEVER
         if it could not fit even in an empty pool; LATER otherwise."""
         check_no_caching_or_swa_for_blockmgr_encdec(self, seq_group)
+        _check_lookahead(num_lookahead_slots)
         num_required_blocks = self._num_required_blocks(seq_group, num_lookahead_slots)
         if self.max_block_sliding_window is not None:
             num_required_blocks = min(num_required_blocks, self.max_block_sliding_window)
@@ -134,6 +140,7 @@ class SelfAttnBlockSpaceManager:
     def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int) -> bool:
         """Do the blocks every running sequence would write into fit in the free GPU blocks?
         (An upper bound, with no watermark: appends must not be refused for it.)"""
+        _check_lookahead(num_lookahead_slots)
         num_touched_blocks = 0
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
             block_table = self._table(seq)
@@ -243,6 +250,7 @@ class SelfAttnBlockSpaceManager:
         """Blocks the move would take on ``device``: the full blocks that are not there already
         (prefix caching may find some), plus those the unseen tokens will touch. The watermark
         applies to the GPU only."""
+        _check_lookahead(num_lookahead_slots)
         num_blocks_touched = 0
         blocks = []
         for seq in seq_group.get_seqs(status=status):
