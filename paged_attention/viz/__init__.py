@@ -12,6 +12,10 @@ from paged_attention.viz.legacy import (
     PhysicalBlock, allocation_order, draw_eviction_order, draw_hash_chain, draw_legacy_block_tables,
     eviction_order, physical_blocks, refcounts, short_hash,
 )
+from paged_attention.viz.manager import (
+    OwnerRun, draw_pool_over_time, draw_pools_over_time, draw_sharing_savings, event_steps, owner_runs,
+    request_color,
+)
 from paged_attention.viz.memory import draw_waste_breakdown
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
 from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
@@ -23,5 +27,7 @@ __all__ = [
     "v2_merge_weights",
     "draw_legacy_block_tables", "draw_hash_chain", "draw_eviction_order", "physical_blocks",
     "allocation_order", "eviction_order", "refcounts", "short_hash", "PhysicalBlock",
+    "draw_pools_over_time", "draw_pool_over_time", "draw_sharing_savings", "owner_runs", "event_steps",
+    "OwnerRun", "request_color",
     "CATEGORY_COLORS", "IMPL_COLORS", "SEQ_COLORS", "seq_color",
 ]

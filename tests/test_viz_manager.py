@@ -1,0 +1,157 @@
+"""paged_attention.viz.manager: the pool drawings show exactly what the scheduler recorded."""
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: no window, same pixels everywhere
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+
+from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager  # noqa: E402
+from paged_attention.legacy.fcfs import (  # noqa: E402
+    RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED, FcfsScheduler, Request, synthetic_workload,
+)
+from paged_attention.sharing_sim import SharingSavings  # noqa: E402
+from paged_attention.viz import (  # noqa: E402
+    draw_pool_over_time, draw_pools_over_time, draw_sharing_savings, event_steps, owner_runs, request_color,
+)
+from paged_attention.viz.manager import CROSS_HATCH, REQUEST_COLORS  # noqa: E402
+from paged_attention.viz.legacy import SHARED_HATCH  # noqa: E402
+
+
+def demo_history():
+    requests = synthetic_workload(10, seed=4, n=(1, 1, 2, 3), arrival_every=1.5, mean_prompt_len=16,
+                                  mean_output_len=16, max_len=48)
+    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 32, 16, watermark=0.1), requests)
+    sched.run()
+    return sched.history
+
+
+def texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def test_owner_runs_rebuild_every_snapshot():
+    history = demo_history()
+    for device in ("GPU", "CPU"):
+        runs = owner_runs(history, device)
+        assert runs == sorted(runs, key=lambda r: (r.block_id, r.start))
+        rebuilt = {}
+        for run in runs:
+            assert run.start < run.end
+            for step in range(run.start, run.end):
+                assert (step, run.block_id) not in rebuilt          # runs of one block never overlap
+                rebuilt[step, run.block_id] = run.owner
+        snapshots = {(r.step, b): o for r in history
+                     for b, o in (r.gpu_owners if device == "GPU" else r.cpu_owners).items()}
+        assert rebuilt == snapshots
+        # Adjacent runs of one block differ in owner, or have a gap: otherwise they would be one run.
+        for a, b in zip(runs, runs[1:]):
+            if a.block_id == b.block_id and a.end == b.start:
+                assert a.owner != b.owner
+
+
+def test_event_steps_lists_each_mark_once():
+    history = demo_history()
+    marks = event_steps(history)
+    for kind in (SWAPPED_OUT, SWAPPED_IN, RECOMPUTED):
+        expected = sorted({r.step for r in history for e in r.events if e.kind == kind})
+        assert marks[kind] == expected and expected
+    watermark = sorted({r.step for r in history for e in r.events if e.kind == WAITED and e.on_watermark})
+    anyway = sorted({r.step for r in history for e in r.events if e.kind == WAITED})
+    assert marks[WAITED] == watermark and 0 < len(watermark) < len(anyway)   # not every wait is the watermark's
+
+
+def test_draw_pools_over_time():
+    history = demo_history()
+    gpu_ax, cpu_ax = draw_pools_over_time(history, 32, 16)
+    assert isinstance(gpu_ax, Axes) and isinstance(cpu_ax, Axes) and gpu_ax.figure is cpu_ax.figure
+    marks = event_steps(history)
+    for ax in (gpu_ax, cpu_ax):
+        dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+        assert len(dashed) == len(marks[SWAPPED_OUT]) + len(marks[SWAPPED_IN])
+        assert sorted(line.get_xdata()[0] + 0.5 for line in dashed) == sorted(marks[SWAPPED_OUT] + marks[SWAPPED_IN])
+    # One bar collection per run; hatched where shared, coloured by the request that holds it.
+    assert len(gpu_ax.collections) == len(owner_runs(history, "GPU"))
+    assert len(cpu_ax.collections) == len(owner_runs(history, "CPU"))
+    runs = owner_runs(history, "GPU")
+    hatches = [c.get_hatch() for c in gpu_ax.collections]
+    assert hatches == [SHARED_HATCH if r.owner.shared else None for r in runs]
+    legend = [t.get_text() for t in gpu_ax.get_legend().get_texts()]
+    assert legend[:10] == [f"r{i}" for i in range(10)]                  # arrival order
+    assert "waited: watermark" in legend and cpu_ax.get_legend() is None
+    markers = [line for line in gpu_ax.lines if line.get_marker() in ("v", "X")]
+    assert [len(m.get_xdata()) for m in markers] == [len(marks[WAITED]), len(marks[RECOMPUTED])]
+    assert gpu_ax.get_ylim()[1] == pytest.approx(31.5) and cpu_ax.get_ylim()[1] == pytest.approx(15.5)
+
+
+def test_draw_pool_shows_requests_sharing_a_prefix_cross_hatched():
+    system = tuple(range(900, 908))
+    requests = [Request("a", 0, system + (1, 2), (6,)), Request("b", 1, system + (3,), (4,))]
+    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 12, 4, watermark=0.0, enable_caching=True), requests)
+    sched.run()
+    ax = draw_pool_over_time(sched.history, 12, "GPU")
+    crossed = [c for c in ax.collections if c.get_hatch() == CROSS_HATCH]
+    runs = [r for r in owner_runs(sched.history) if r.owner.request_ids == ("a", "b")]
+    assert len(crossed) == len(runs) == 2                               # the two system-prompt blocks
+    assert ax.get_title(loc="left") == "GPU pool: 12 blocks"
+
+
+def test_drawing_is_deterministic_and_uses_given_axes():
+    history = demo_history()
+    _, axes = plt.subplots(2, 1)
+    assert tuple(draw_pools_over_time(history, 32, 16, axes=axes)) == tuple(axes)
+    again = draw_pools_over_time(demo_history(), 32, 16)
+    assert [c.get_facecolor().tolist() for c in axes[0].collections] == \
+        [c.get_facecolor().tolist() for c in again[0].collections]
+    assert request_color(0) == REQUEST_COLORS[0] and request_color(12) == request_color(0)
+
+
+def test_pool_drawings_reject_bad_input():
+    history = demo_history()
+    with pytest.raises(TypeError, match="StepRecord"):
+        owner_runs(history[0])
+    with pytest.raises(TypeError, match="StepRecord"):
+        owner_runs([1, 2])
+    with pytest.raises(ValueError, match="empty"):
+        event_steps([])
+    with pytest.raises(ValueError, match="consecutive"):
+        owner_runs(history[::2])
+    with pytest.raises(ValueError, match="device"):
+        owner_runs(history, "TPU")
+    with pytest.raises(ValueError, match="num_blocks is 8"):
+        draw_pool_over_time(history, 8)
+    with pytest.raises(ValueError, match="two Axes"):
+        draw_pools_over_time(history, 32, 16, axes=[plt.gca()])
+    with pytest.raises(ValueError, match="colour"):
+        draw_pool_over_time(history, 32, colors={"r0": "red"})
+
+
+def test_draw_sharing_savings():
+    parallel = [SharingSavings("parallel", n, 100 - 3 * n + 3, 100, 10, 10) for n in (1, 2, 4)]
+    beam = [SharingSavings("beam", n, 100 - 20 * (n - 1), 100, 10, 10) for n in (1, 2, 4)]
+    ax = draw_sharing_savings({"parallel": parallel, "beam": beam})
+    labels = texts(ax)
+    assert labels == [f"{100 * p.saving:.1f}%" for p in parallel + beam]
+    assert [tuple(line.get_ydata()) for line in ax.lines] == [tuple(100 * p.saving for p in pts)
+                                                              for pts in (parallel, beam)]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "paper, parallel sampling: 6.1–9.8%" in legend and "paper, beam search: 37.6–55.2%" in legend
+    bare = draw_sharing_savings({"parallel": parallel}, paper=None)
+    assert not any(t.get_text().startswith("paper") for t in bare.get_legend().get_texts())
+    with pytest.raises(ValueError, match="mode"):
+        draw_sharing_savings({"greedy": parallel})
+    with pytest.raises(TypeError, match="mode 'beam'"):
+        draw_sharing_savings({"beam": parallel})
+    with pytest.raises(ValueError):
+        draw_sharing_savings({})
+
+
+def test_the_legend_lists_only_what_the_drawing_has():
+    requests = [Request("a", 0, (1, 2, 3), (3, 3)), Request("b", 0, (4, 5), (2,))]
+    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 8, 0, watermark=0.0), requests)
+    sched.run()
+    legend = [t.get_text() for t in draw_pool_over_time(sched.history, 8).get_legend().get_texts()]
+    assert legend == ["a", "b", "shared by samples"]          # no swaps, waits or prefix sharing here
+    titled = draw_pool_over_time(sched.history, 8, title="mine")
+    assert titled.get_title() == "mine" and titled.get_title(loc="left") == ""
