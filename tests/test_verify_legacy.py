@@ -252,3 +252,28 @@ def test_swap_bad_input_and_forget():
     kv.forget("A")
     with pytest.raises(ValueError, match="been written"):
         kv.check({"A": tables["A"]})
+
+
+def test_two_groups_sharing_a_cached_cpu_block_both_come_back():
+    from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
+    from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
+    mgr = SelfAttnBlockSpaceManager(BS, 8, 8, watermark=0, enable_caching=True)
+    kv = verify.PagedCacheCheck(8, BS, num_cpu_blocks=8)
+    system = list(range(100, 100 + 2 * BS))
+    groups = [SequenceGroup(name, [Sequence(i, system + [i], BS)]) for i, name in enumerate("XY")]
+    for g in groups:
+        (s,) = g.get_seqs()
+        mgr.allocate(g)
+        kv.write(g.request_id, mgr.block_tables[s.seq_id], s.get_token_ids(), start=mgr.get_num_cached_tokens(s))
+        mgr.mark_blocks_as_computed(g, 0)
+        s.status = SequenceStatus.RUNNING
+    outs = []
+    for g in groups:
+        outs.append(mgr.swap_out(g))
+        kv.swap_out(outs[-1])
+        g.seqs[0].status = SequenceStatus.SWAPPED
+    assert outs[0][:2] == outs[1][:2]                    # the system prompt went to the same CPU blocks
+    for g in groups:
+        assert kv.swap_in(mgr.swap_in(g)) == 3
+        g.seqs[0].status = SequenceStatus.RUNNING
+    assert "Triton" in kv.check({g.request_id: mgr.block_tables[g.seqs[0].seq_id] for g in groups}).verified
