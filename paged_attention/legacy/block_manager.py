@@ -13,11 +13,11 @@ from typing import Optional
 
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.common import BlockStateError, rehearse
-from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator, NullBlock
 from paged_attention.legacy.interfaces import AllocStatus, BlockAllocator
 from paged_attention.legacy.prefix_caching_block import ComputedBlocksTracker, LastAccessBlocksTracker
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_attention.utils import Device
+from paged_attention.utils import Device, cdiv
 
 __all__ = ["SelfAttnBlockSpaceManager", "AllocStatus", "check_no_caching_or_swa_for_blockmgr_encdec"]
 
@@ -126,6 +126,8 @@ class SelfAttnBlockSpaceManager:
             if needed > num_free:
                 raise BlockAllocator.NoFreeBlocksError(f"{needed} blocks needed, {num_free} free")
 
+        for seq in waiting:                      # a count taken while waiting may be stale now
+            self._computed_blocks_tracker.forget_num_cached_tokens(seq.seq_id)
         block_table = self._allocate_sequence(waiting[0])
         self.block_tables[waiting[0].seq_id] = block_table
         self._last_access_blocks_tracker.add_seq(waiting[0].seq_id)
@@ -141,13 +143,21 @@ class SelfAttnBlockSpaceManager:
         """Do the blocks every running sequence would write into fit in the free GPU blocks?
         (An upper bound, with no watermark: appends must not be refused for it.)"""
         _check_lookahead(num_lookahead_slots)
-        num_touched_blocks = 0
+        num_touched_blocks = self._num_null_blocks_needed()
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
             block_table = self._table(seq)
             num_touched_blocks += block_table.get_num_blocks_touched_by_append_slots(
                 token_ids=block_table.get_unseen_token_ids(seq.get_token_ids()),
                 num_lookahead_slots=num_lookahead_slots)
         return num_touched_blocks <= self.block_allocator.get_num_free_blocks(Device.GPU)
+
+    def _num_null_blocks_needed(self) -> int:
+        """1 if an append would first take a GPU block for the null block: a window is set
+        and the null block is not made yet (vLLM forgets it, and says yes to an append that
+        then runs out)."""
+        if self.max_block_sliding_window is None or self.block_allocator._null_block is not None:
+            return 0
+        return 1
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int) -> list[tuple[int, int]]:
         """Append the sequence's unseen tokens; returns the new copy-on-write pairs (absolute
@@ -248,15 +258,25 @@ class SelfAttnBlockSpaceManager:
     def _can_swap(self, seq_group: SequenceGroup, device: Device, status: SequenceStatus,
                   num_lookahead_slots: int = 0) -> AllocStatus:
         """Blocks the move would take on ``device``: the full blocks that are not there already
-        (prefix caching may find some), plus those the unseen tokens will touch. The watermark
-        applies to the GPU only."""
+        (prefix caching may find some), every block that is not full, and the new blocks the
+        unseen tokens and lookahead slots need. The watermark applies to the GPU only.
+
+        Two corrections to vLLM, which counts only the last block that is not full (empty
+        blocks reserved by an earlier lookahead move too, and its "yes" then ran out), and
+        which says yes to a table holding the null block (it cannot move: NEVER here).
+        """
         _check_lookahead(num_lookahead_slots)
-        num_blocks_touched = 0
+        num_blocks_touched = self._num_null_blocks_needed() if device == Device.GPU else 0
         blocks = []
         for seq in seq_group.get_seqs(status=status):
             block_table = self._table(seq)
-            num_blocks_touched += block_table.get_num_blocks_touched_by_append_slots(
-                block_table.get_unseen_token_ids(seq.get_token_ids()), num_lookahead_slots=num_lookahead_slots)
+            if any(isinstance(block, NullBlock) for block in block_table.blocks):
+                return AllocStatus.NEVER
+            num_full_blocks = block_table.num_full_slots // self.block_size
+            num_empty_slots = len(block_table.blocks) * self.block_size - block_table.num_full_slots
+            num_new_slots = len(block_table.get_unseen_token_ids(seq.get_token_ids())) + num_lookahead_slots
+            num_blocks_touched += (len(block_table.blocks) - num_full_blocks
+                                   + max(0, cdiv(num_new_slots - num_empty_slots, self.block_size)))
             blocks.extend(block_table.blocks)
         num_blocks_touched += self.block_allocator.get_num_full_blocks_touched(blocks, device=device)
         watermark_blocks = self.watermark_blocks if device == Device.GPU else 0

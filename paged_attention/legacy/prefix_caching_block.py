@@ -14,7 +14,6 @@ that is still being written.
 """
 from __future__ import annotations
 
-import bisect
 import hashlib
 from typing import FrozenSet, Iterable, Optional
 
@@ -369,13 +368,22 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         self._swap_in(blocks)
 
     def find_cached_blocks_prefix(self, block_hashes: list[int]) -> list[int]:
-        """The leading hashes whose blocks are cached with their KV computed. A binary search:
-        a prefix cache holds prefixes, so once a hash misses every later one does too."""
-        def missing(content_hash: int) -> bool:
-            block_id = self._cached_blocks.get(content_hash)
-            return block_id is None or not self.block_is_computed(block_id)
+        """The leading hashes whose blocks are cached with their KV computed, up to the first
+        that is not.
 
-        return block_hashes[:bisect.bisect_left(block_hashes, True, key=missing)]
+        vLLM binary-searches, assuming the cached blocks of a chain always form a prefix. They
+        need not: a sliding window frees a table's first blocks into the evictor while later
+        ones are held, and a block freed with no access time is evicted before the blocks after
+        it. The search could then land past a missing block and claim KV that is not there;
+        a scan stops at the first miss.
+        """
+        num_cached = 0
+        for content_hash in block_hashes:
+            block_id = self._cached_blocks.get(content_hash)
+            if block_id is None or not self.block_is_computed(block_id):
+                break
+            num_cached += 1
+        return block_hashes[:num_cached]
 
 
 def _stable_hash(text: str) -> int:
@@ -571,6 +579,15 @@ class ComputedBlocksTracker:
         num_cached_tokens = num_cached_blocks * self._block_size
         self._seq_id_to_num_tokens_computed[seq.seq_id] = num_cached_tokens
         return num_cached_tokens
+
+    def forget_num_cached_tokens(self, seq_id: int) -> None:
+        """Drop the stored count, so the next ``get_num_cached_tokens`` looks at the cache again.
+
+        The block manager calls it when a sequence is allocated: a count taken while the
+        request waited may name blocks evicted since (vLLM keeps it, and the prefill then skips
+        KV that is not there).
+        """
+        self._seq_id_to_num_tokens_computed.pop(seq_id, None)
 
     def remove_seq(self, seq_id: int) -> None:
         if not self._enable_caching:
