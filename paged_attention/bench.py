@@ -5,18 +5,28 @@ the memory bandwidth it reaches. The yardstick is a plain ``copy_`` of a large b
 the same run: ``fraction = (KV bytes read / kernel time) / (bytes read + written / copy time)``.
 A fraction near 1 means the kernel reads the cache about as fast as the GPU can move memory at
 all. GPU only; ``benchmarks/bench_decode.py`` is the command-line entry.
+
+The last section times something else, on the host: v1's numpy slot mapping against a plain
+Python loop (``slot_mapping_times``, notebook 03; ``benchmarks/bench_slot_mapping.py``).
 """
 from __future__ import annotations
 
+import os
+import platform
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from paged_attention.kernels.triton import paged_attention_decode
 from paged_attention.kernels.triton.decode import choose_launch, choose_num_splits
 from paged_attention.kernels.workloads import DecodeProblem, make_decode_problem
+from paged_attention.utils import cdiv
+from paged_attention.v1.block_table import BlockTable
+from paged_attention.v1.reference import slot_mapping_loop
 
 # The shapes of issue 2's targets: (batch, context).
 DECODE_SHAPES = ((64, 512), (64, 4096), (64, 16384), (4, 32768), (1, 131072))
@@ -279,3 +289,100 @@ def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: in
         torch.cuda.empty_cache()
     # A kernel that ran nowhere (vLLM's FA3 where its library is not found) is left out.
     return list(contexts), {name: t for name, t in times.items() if any(x is not None for x in t)}
+
+
+# --------------------------------------------------------------------------------------------
+# The v1 slot mapping (notebook 03): numpy over the whole batch against a Python loop, on the CPU
+# --------------------------------------------------------------------------------------------
+
+# (requests, tokens scheduled per request): first more requests of 16 tokens, then 8 requests
+# with longer and longer chunks (1 token each: a pure decode batch).
+SLOT_MAPPING_BATCH_SWEEP = ((1, 16), (4, 16), (16, 16), (64, 16), (256, 16), (1024, 16))
+SLOT_MAPPING_TOKEN_SWEEP = ((8, 1), (8, 8), (8, 64), (8, 512), (8, 2048))
+SLOT_MAPPING_IMPLS = ("compute_slot_mapping (numpy)", "Python loop")
+
+
+def cpu_name() -> str:
+    """The host CPU's model name and core count (where the slot mapping is computed)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def best_us(fn: Callable[[], object], min_time: float = 0.02, repeat: int = 5) -> float:
+    """Microseconds per call of ``fn`` on the host: calls are batched until a batch takes at
+    least ``min_time`` seconds, and the fastest of ``repeat`` batches counts (the others were
+    slowed down by something else running)."""
+    number = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or number >= 1 << 20:
+            break
+        number *= 2 if elapsed * 4 > min_time else 8
+    best = elapsed
+    for _ in range(repeat - 1):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best / number * 1e6
+
+
+def slot_mapping_batch(num_reqs: int, tokens_per_req: int, block_size: int = 16, context: int = 2048,
+                       seed: int = 0):
+    """A v1 ``BlockTable`` holding ``num_reqs`` requests and the ``(req_indices, positions)`` of
+    one step that schedules ``tokens_per_req`` tokens of each, as vLLM's ``_prepare_inputs``
+    builds them: each request has already computed a random number of tokens (below
+    ``context``), and its new tokens follow; every request's blocks are distinct random ids."""
+    for name, value in (("num_reqs", num_reqs), ("tokens_per_req", tokens_per_req), ("block_size", block_size),
+                        ("context", context)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    rng = np.random.default_rng(seed)
+    computed = rng.integers(0, context, size=num_reqs)
+    blocks_per_req = cdiv(context + tokens_per_req, block_size)
+    table = BlockTable(block_size, num_reqs, blocks_per_req, num_reqs * tokens_per_req, False, "cpu", block_size, 1)
+    ids = rng.permutation(num_reqs * blocks_per_req).reshape(num_reqs, blocks_per_req)
+    for row in range(num_reqs):
+        table.add_row(ids[row], row)
+    req_indices = np.repeat(np.arange(num_reqs, dtype=np.int32), tokens_per_req)
+    positions = (np.repeat(computed, tokens_per_req) + np.tile(np.arange(tokens_per_req), num_reqs)).astype(np.int64)
+    return table, req_indices, positions
+
+
+def slot_mapping_times(shapes=SLOT_MAPPING_BATCH_SWEEP, *, block_size: int = 16, min_time: float = 0.02,
+                       repeat: int = 5, print_fn=print) -> tuple[list[int], dict[str, list[float]]]:
+    """Time ``BlockTable.compute_slot_mapping`` and ``slot_mapping_loop`` on one step's batch for
+    every ``(num_reqs, tokens_per_req)`` in ``shapes`` (``slot_mapping_batch``), after checking
+    that both give the same slots.
+
+    Returns ``(num_tokens, {name: [µs, ...]})``: the tokens in each batch, and the time per
+    call of each implementation (names: ``SLOT_MAPPING_IMPLS``). Host-only numpy and Python,
+    so the figures mean the same on any machine; print ``cpu_name()`` with them.
+    """
+    shapes = [tuple(s) for s in shapes]
+    if not shapes:
+        raise ValueError("shapes must hold at least one (num_reqs, tokens_per_req) pair")
+    num_tokens: list[int] = []
+    times: dict[str, list[float]] = {name: [] for name in SLOT_MAPPING_IMPLS}
+    for num_reqs, tokens_per_req in shapes:
+        table, req_indices, positions = slot_mapping_batch(num_reqs, tokens_per_req, block_size)
+        n = len(positions)
+        table.compute_slot_mapping(req_indices, positions)
+        if table.slot_mapping.np[:n].tolist() != slot_mapping_loop(table, req_indices, positions):
+            raise AssertionError(f"compute_slot_mapping and the loop disagree on {num_reqs} x {tokens_per_req} tokens")
+        numpy_us = best_us(lambda: table.compute_slot_mapping(req_indices, positions), min_time, repeat)
+        loop_us = best_us(lambda: slot_mapping_loop(table, req_indices, positions), min_time, repeat)
+        num_tokens.append(n)
+        times[SLOT_MAPPING_IMPLS[0]].append(numpy_us)
+        times[SLOT_MAPPING_IMPLS[1]].append(loop_us)
+        print_fn(f"{num_reqs:>4} requests x {tokens_per_req:>4} tokens = {n:>5} tokens: "
+                 f"numpy {numpy_us:>8.1f} us   loop {loop_us:>9.1f} us   loop / numpy {loop_us / numpy_us:>6.1f}")
+    return num_tokens, times

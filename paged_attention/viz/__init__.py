@@ -19,6 +19,10 @@ from paged_attention.viz.manager import (
 from paged_attention.viz.memory import draw_waste_breakdown
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
 from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
+from paged_attention.viz.v1 import (
+    RowsSnapshot, cell_kinds, draw_dcp_ownership, draw_kernel_blocks, draw_row_history,
+    draw_slot_mapping_arrows, draw_slot_mapping_times, request_kinds, snapshot_rows,
+)
 
 __all__ = [
     "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
@@ -30,4 +34,6 @@ __all__ = [
     "draw_pools_over_time", "draw_pool_over_time", "draw_sharing_savings", "owner_runs", "event_steps",
     "OwnerRun", "request_color",
     "CATEGORY_COLORS", "IMPL_COLORS", "SEQ_COLORS", "seq_color",
+    "RowsSnapshot", "snapshot_rows", "cell_kinds", "draw_row_history", "request_kinds",
+    "draw_slot_mapping_arrows", "draw_dcp_ownership", "draw_kernel_blocks", "draw_slot_mapping_times",
 ]
