@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from paged_attention.exercises import report
+from paged_attention.exercises import as_int_list, report
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
 from paged_attention.utils import Device
@@ -17,15 +17,6 @@ from paged_attention.viz.legacy import refcounts as pool_refcounts   # `refcount
 
 def _naive(num_gpu_blocks: int, block_size: int) -> CpuGpuBlockAllocator:
     return CpuGpuBlockAllocator.create("naive", num_gpu_blocks, 0, block_size)
-
-
-def _as_int_list(answer: Sequence[int], name: str) -> list[int]:
-    if isinstance(answer, (str, bytes)):
-        raise TypeError(f"{name} must be a list of ints, got the string {answer!r}")
-    try:
-        return [int(x) for x in answer]
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a list of ints, got {answer!r}") from None
 
 
 def cow_after_fork(refcounts: Sequence[int], pair: tuple[int, int], prompt_len: int = 10,
@@ -41,9 +32,9 @@ def cow_after_fork(refcounts: Sequence[int], pair: tuple[int, int], prompt_len: 
     expected_counts = pool_refcounts(allocator)[:len(parent.physical_block_ids) + 1]
     cows = allocator.clear_copy_on_writes()
     expected_pair = cows[0] if cows else None
-    answer_pair = tuple(_as_int_list(pair, "pair")) if pair is not None else None
+    answer_pair = tuple(as_int_list(pair, "pair")) if pair is not None else None
     return report(
-        _as_int_list(refcounts, "refcounts") == expected_counts and answer_pair == expected_pair,
+        as_int_list(refcounts, "refcounts") == expected_counts and answer_pair == expected_pair,
         f"reference counts {expected_counts}: the fork wrote into the shared block {expected_pair[0]} and "
         f"moved to block {expected_pair[1]}" if expected_pair else
         f"reference counts {expected_counts}, and nothing was copied",
@@ -64,7 +55,7 @@ def next_ids(answer: Sequence[int], num_gpu_blocks: int = 8, block_size: int = 4
     tables["C"].allocate(list(range(200, 200 + 3 * block_size)))
     expected = tables["C"].physical_block_ids
     return report(
-        _as_int_list(answer, "answer") == expected,
+        as_int_list(answer, "answer") == expected,
         f"C gets {expected}: the ids A freed come back first, the last one freed first",
         "the free list is a deque: ids are taken from its left end, and a freed id is put back on the "
         "left; A frees its blocks in table order",
@@ -85,7 +76,7 @@ def eviction_sequence(answer: Sequence[int], block_size: int = 4) -> bool:
     b.free()
     expected = eviction_order(allocator)
     return report(
-        _as_int_list(answer, "answer") == expected,
+        as_int_list(answer, "answer") == expected,
         f"order {expected}: A's blocks {ids['A']} first (older), tail before head; then B's {ids['B']}",
         "the oldest access goes first; among blocks used at the same time, the one ending the longer "
         "prefix (the chain's tail) goes before its head",
@@ -104,7 +95,7 @@ def window_table(ids: Sequence[int], num_free: int) -> bool:
     expected = table.physical_block_ids
     free = allocator.get_num_free_blocks(Device.GPU)
     return report(
-        (_as_int_list(ids, "ids"), num_free) == (expected, free),
+        (as_int_list(ids, "ids"), num_free) == (expected, free),
         f"{expected} with {free} free: block 2 leaves the window (20 // 4 - 2 = 3 blocks dropped) and is "
         "freed first, so the new block gets its id straight back",
         "first every block before index num_computed_slots // block_size - window is freed and replaced "

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from paged_attention.exercises import report
+from paged_attention.exercises import as_int_list, report
 from paged_attention.v1.block_table import BlockTable
 
 
@@ -22,15 +22,6 @@ def _table(block_size: int, max_num_reqs: int, max_num_blocks_per_req: int, kern
 def _slot(table: BlockTable, row: int, position: int) -> int:
     table.compute_slot_mapping(np.array([row]), np.array([position]))
     return int(table.slot_mapping.np[0])
-
-
-def _as_int_list(answer: Sequence[int], name: str) -> list[int]:
-    if isinstance(answer, (str, bytes)):
-        raise TypeError(f"{name} must be a list of ints, got the string {answer!r}")
-    try:
-        return [int(x) for x in answer]
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a list of ints, got {answer!r}") from None
 
 
 def _as_int(answer: int, name: str) -> int:
@@ -72,7 +63,7 @@ def row_after_condense(row: Sequence[int], count: int) -> bool:
     expected_row = table.get_numpy_array()[1].tolist()
     expected_count = int(table.num_blocks_per_row[1])
     return report(
-        (_as_int_list(row, "row"), _as_int(count, "count")) == (expected_row, expected_count),
+        (as_int_list(row, "row"), _as_int(count, "count")) == (expected_row, expected_count),
         f"row 1 is {expected_row} with count {expected_count}: move_row left C's ids in row 2, add_row "
         f"overwrote only its first column, and swap_row moved the whole row, stale columns and all",
         "move_row copies the used columns and leaves the source row as it was; add_row writes from "

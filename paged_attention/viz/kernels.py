@@ -25,7 +25,7 @@ from matplotlib.patches import Rectangle
 
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
-    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, impl_color, new_axes, seq_color,
+    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, new_axes, plot_times, seq_color,
 )
 
 WARP_SIZE = 32
@@ -440,18 +440,6 @@ def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[floa
                 raise ValueError(f"times_us[{name!r}] must hold positive times (or None), got {t!r}")
         series[name] = [math.nan if t is None else float(t) for t in times]
 
-    ax = new_axes(ax, figsize=(7.0, 4.0))
-    for i, (name, times) in enumerate(series.items()):
-        ax.plot(contexts, times, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(contexts, [str(c) for c in contexts])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("decode time (µs, log scale)")
-    ax.grid(True, which="major", alpha=0.3)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.legend(fontsize=8, frameon=False)
-    ax.set_title(title if title is not None else "Decode attention time against context length",
-                 fontsize=10)
-    return ax
+    return plot_times(new_axes(ax, figsize=(7.0, 4.0)), contexts, series, "context length (tokens)",
+                      "decode time (µs, log scale)",
+                      title if title is not None else "Decode attention time against context length")

@@ -60,3 +60,22 @@ def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
 
     _, ax = plt.subplots(figsize=figsize)
     return ax
+
+
+def plot_times(ax: Any, xs: list[int], series: dict[str, list[float]], xlabel: str, ylabel: str,
+               title: str) -> Any:
+    """Times against a size, one line per implementation, on log-log axes (sizes in powers of
+    two, labelled as they are): the picture every benchmark in the notebooks draws."""
+    for i, (name, times) in enumerate(series.items()):
+        ax.plot(xs, times, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10)
+    return ax

@@ -27,7 +27,7 @@ from matplotlib.patches import Patch, Rectangle
 from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v1.block_table import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, impl_color, new_axes, seq_color
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color
 
 STALE_COLOR = "#E45756"   # ids past a row's count: nothing reads them, but they are there
 STALE_HATCH = "////"
@@ -504,17 +504,6 @@ def draw_slot_mapping_times(num_tokens: Sequence[int], times_us: dict[str, Seque
                 raise ValueError(f"times_us[{name!r}] must hold positive times, got {t!r}")
         series[name] = [float(t) for t in times]
 
-    ax = new_axes(ax, figsize=(6.0, 4.0))
-    for i, (name, times) in enumerate(series.items()):
-        ax.plot(tokens, times, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(tokens, [str(n) for n in tokens])
-    ax.set_xlabel("tokens in the step")
-    ax.set_ylabel("time per call (µs, log scale)")
-    ax.grid(True, which="major", alpha=0.3)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.legend(fontsize=8, frameon=False)
-    ax.set_title(title if title is not None else "Slot mapping: numpy over the batch vs a Python loop", fontsize=10)
-    return ax
+    return plot_times(new_axes(ax, figsize=(6.0, 4.0)), tokens, series, "tokens in the step",
+                      "time per call (µs, log scale)",
+                      title if title is not None else "Slot mapping: numpy over the batch vs a Python loop")
