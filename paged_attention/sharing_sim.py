@@ -84,12 +84,10 @@ def _decode(mgr: SelfAttnBlockSpaceManager, seqs: list[Sequence], rng: random.Ra
         seq.append_token_id(_token(rng))
 
 
-def _run_parallel(prompt: list[int], output_lens: SequenceT[int], block_size: int, shared: bool,
-                  seed: int) -> tuple[int, int]:
-    """Block-steps and peak of one request's samples, forked from one group or as separate groups."""
-    rng = random.Random(seed)
-    n = len(output_lens)
-    num_blocks = n * (len(prompt) + max(output_lens)) // block_size + n + 1     # room for everything
+def _prefill(prompt: list[int], n: int, block_size: int, num_blocks: int, shared: bool,
+             rng: random.Random) -> tuple[SelfAttnBlockSpaceManager, list[Sequence]]:
+    """A fresh manager holding ``n`` sequences of ``prompt`` after their prefill, each with its
+    first sampled token: one group (the prompt's blocks shared) or ``n`` separate groups."""
     mgr = SelfAttnBlockSpaceManager(block_size, num_blocks, 0, watermark=0.0)
     seqs = [Sequence(i, list(prompt), block_size) for i in range(n)]
     groups = [SequenceGroup("r", seqs)] if shared else [SequenceGroup(f"r{i}", [s]) for i, s in enumerate(seqs)]
@@ -99,6 +97,16 @@ def _run_parallel(prompt: list[int], output_lens: SequenceT[int], block_size: in
         seq.status = SequenceStatus.RUNNING
         seq.data.update_num_computed_tokens(len(prompt))
         seq.append_token_id(_token(rng))               # the first sampled token
+    return mgr, seqs
+
+
+def _run_parallel(prompt: list[int], output_lens: SequenceT[int], block_size: int, shared: bool,
+                  seed: int) -> tuple[int, int]:
+    """Block-steps and peak of one request's samples, forked from one group or as separate groups."""
+    rng = random.Random(seed)
+    n = len(output_lens)
+    num_blocks = n * (len(prompt) + max(output_lens)) // block_size + n + 1     # room for everything
+    mgr, seqs = _prefill(prompt, n, block_size, num_blocks, shared, rng)
     block_steps = peak = _used(mgr)                    # the prefill step
     while True:
         for seq in seqs:
@@ -122,16 +130,8 @@ def _run_beam(prompt: list[int], output_len: int, beam_width: int, block_size: i
     rng, choice = random.Random(seed), random.Random(seed + 1)
     k = beam_width
     num_blocks = k * ((len(prompt) + output_len) // block_size + 2) + 1
-    mgr = SelfAttnBlockSpaceManager(block_size, num_blocks, 0, watermark=0.0)
+    mgr, beams = _prefill(prompt, k, block_size, num_blocks, shared, rng)
     next_id = k
-    beams = [Sequence(i, list(prompt), block_size) for i in range(k)]
-    groups = [SequenceGroup("r", beams)] if shared else [SequenceGroup(f"r{i}", [b]) for i, b in enumerate(beams)]
-    for group in groups:
-        mgr.allocate(group)
-    for beam in beams:
-        beam.status = SequenceStatus.RUNNING
-        beam.data.update_num_computed_tokens(len(prompt))
-        beam.append_token_id(_token(rng))
     block_steps = peak = _used(mgr)                    # the prefill step
     for _ in range(output_len - 1):
         for beam in beams:
