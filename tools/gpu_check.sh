@@ -23,7 +23,8 @@ for s in $STEPS; do
     memcheck) step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python tools/memcheck_cuda.py ;;
     check) step check python -m paged_attention check ;;
     bench) step bench_cuda python benchmarks/bench_decode.py --cuda
-           step bench_triton python benchmarks/bench_decode.py ;;
+           step bench_triton python benchmarks/bench_decode.py
+           step bench_v2 python benchmarks/bench_v2_block_tables.py ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -1,0 +1,113 @@
+"""v2 block tables on the GPU: the seed's kernels against ours, and v2's step against v1's.
+
+Usage (GPU machine):  python benchmarks/bench_v2_block_tables.py [--sweep]
+Prints, with the GPU's name:
+* gather_block_tables and compute_slot_mappings alone, seed vs ours (do_bench: median GPU time,
+  and the same call replayed from a CUDA graph), for 1024 requests of one group with 16 tokens
+  each (16384 tokens) and with 1 token each (pure decode, 1024 tokens);
+* the whole v2 step with two groups (block sizes 16 and 32) at 1024 requests / 16384 tokens:
+  staging + apply + gather + slots on the wall clock, gather + slots on the GPU, eager and
+  replayed from a CUDA graph;
+* v1's step (append_row, numpy slot mapping, pinned host-to-device copies) next to v2's for
+  batch sizes 8 ... 1024, decoding one token per request, on the wall clock.
+``--sweep`` also tries launch shapes of our kernels (tile sizes), to choose the defaults.
+Every configuration is verified (seed = ours = numpy) before it is timed.
+"""
+import argparse
+import sys
+
+import torch
+
+import paged_attention  # noqa: F401  (device policy first)
+
+
+def row(label: str, **cols: float) -> None:
+    cells = "  ".join(f"{k} {v:7.2f} us" for k, v in cols.items())
+    print(f"  {label:<44s} {cells}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also sweep our kernels' tile sizes")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("this benchmark needs an NVIDIA GPU (on a CPU the Triton interpreter says nothing about speed)")
+        return 1
+    from paged_attention.bench import warm_up
+    from paged_attention.v2 import bench as vb
+
+    print(f"GPU: {torch.cuda.get_device_name()}  (torch {torch.__version__}, triton "
+          f"{__import__('triton').__version__})", flush=True)
+    warm_up()
+
+    print("\nlaunch floor (a Triton kernel storing one int):")
+    row("one store", **vb.launch_floor_us())
+    print("eager: do_bench (median GPU time, L2 flushed before every call); graph: the call replayed")
+    print("from a CUDA graph (L2 flushed); hot: 20 calls in one graph (warm L2), per call")
+
+    print("\n[1] one group (block size 16), 1024 requests, context <= 2048, max_num_batched_tokens 16384")
+    for tokens in (16, 1):
+        bt, batch = vb.build([16], 1024, tokens, 2048)
+        assert vb.same_results(bt, batch), "seed and fast kernels disagree"
+        print(f" {tokens} token(s) per request = {batch.num_tokens} tokens (verified: seed = ours = numpy)")
+        for impl in ("seed", "fast"):
+            gather = lambda impl=impl: bt.gather_block_tables(batch.idx_mapping, impl=impl, check=False)
+            row(f"gather_block_tables  [{impl}]", eager=vb.gpu_us(gather), graph=vb.graph_us(gather),
+                hot=vb.hot_us(gather))
+        bt.apply_staged_writes(impl="seed")             # the fast gather now reads counts via UVA
+        gather = lambda: bt.gather_block_tables(batch.idx_mapping, impl="fast", check=False)
+        row("gather_block_tables  [fast, UVA counts]", eager=vb.gpu_us(gather), graph=vb.graph_us(gather),
+            hot=vb.hot_us(gather))
+        bt.apply_staged_writes(impl="fast")
+        bt.gather_block_tables(batch.idx_mapping)
+        for impl, via_idx in (("seed", False), ("fast", False), ("seed", True), ("fast", True)):
+            idx = batch.idx_mapping if via_idx else None
+            slots = lambda impl=impl, idx=idx: bt.compute_slot_mappings(
+                batch.query_start_loc, batch.positions, idx_mapping=idx, impl=impl, check=False)
+            label = f"compute_slot_mappings [{impl}{', idx_mapping' if via_idx else ''}]"
+            row(label, eager=vb.gpu_us(slots), graph=vb.graph_us(slots), hot=vb.hot_us(slots))
+        if tokens == 1:
+            checked = lambda: bt.compute_slot_mappings(batch.query_start_loc, batch.positions)
+            unchecked = lambda: bt.compute_slot_mappings(batch.query_start_loc, batch.positions, check=False)
+            row("slot mapping wall clock [fast] check=True", wall=vb.wall_us(lambda i: checked()))
+            row("slot mapping wall clock [fast] check=False", wall=vb.wall_us(lambda i: unchecked()))
+        if opts.sweep:
+            for bt_tokens in (64, 128, 256, 512):
+                bt.slot_block_tokens = bt_tokens
+                slots = lambda: bt.compute_slot_mappings(batch.query_start_loc, batch.positions, check=False)
+                row(f"  sweep slot BLOCK_TOKENS={bt_tokens}", eager=vb.gpu_us(slots), graph=vb.graph_us(slots))
+            bt.slot_block_tokens = 128
+            for rows, cols in ((2, 128), (4, 128), (8, 128), (4, 256), (1, 256)):
+                bt.gather_rows, bt.gather_block_cols = rows, cols
+                gather = lambda: bt.gather_block_tables(batch.idx_mapping, check=False)
+                row(f"  sweep gather ROWS={rows} BLOCK_COLS={cols}", eager=vb.gpu_us(gather), graph=vb.graph_us(gather))
+            bt.gather_rows, bt.gather_block_cols = 4, 128
+        del bt, batch
+
+    print("\n[2] whole v2 step, two groups (block sizes 16, 32), 1024 requests x 16 tokens = 16384 tokens")
+    print("    (wall: 64 requests get a block in group 0 and 32 in group 1 each step; staging, apply,")
+    print("     gather, slots, host work included. eager/graph: gather + slots on the GPU)")
+    for impl in ("seed", "fast"):
+        bt, batch = vb.build([16, 32], 1024, 16, 2048, impl=impl)
+        assert vb.same_results(bt, batch), "seed and fast kernels disagree"
+        device_step = vb.v2_device_step(bt, batch, impl)
+        row(f"v2 step [{impl}]", wall=vb.wall_us(vb.v2_full_step(bt, batch, impl, (64, 32)), n=100),
+            eager=vb.gpu_us(device_step), graph=vb.graph_us(device_step), hot=vb.hot_us(device_step))
+        del bt, batch
+
+    print("\n[3] one decode step (1 token per request, one group of block size 16), wall clock;")
+    print("    a sixteenth of the requests get a new block each step")
+    for num_reqs in (8, 32, 128, 512, 1024):
+        appends = max(1, num_reqs // 16)
+        v1 = vb.v1_step(num_reqs, 1, 2048, appends)
+        cols = {"v1": vb.wall_us(v1)}
+        for impl in ("seed", "fast"):
+            bt, batch = vb.build([16], num_reqs, 1, 2048, impl=impl)
+            cols[f"v2-{impl}"] = vb.wall_us(vb.v2_full_step(bt, batch, impl, (appends,)))
+            del bt, batch
+        row(f"{num_reqs:5d} requests", **cols)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
