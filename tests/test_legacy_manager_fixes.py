@@ -3,7 +3,10 @@ skip KV that is not in the cache. Each test is a small, fixed reproduction of a 
 stateful tests found; the docstrings in ``block_manager.py`` and ``prefix_caching_block.py``
 say what we do instead.
 """
+import pytest
+
 from paged_attention.legacy.block_manager import AllocStatus, SelfAttnBlockSpaceManager
+from paged_attention.legacy.interfaces import BlockAllocator
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device
 
@@ -106,3 +109,23 @@ def test_can_swap_counts_blocks_reserved_by_lookahead():
     bigger.swap_out(group_b)                               # what it promised, it does
     b.status = SequenceStatus.SWAPPED
     assert bigger.can_swap_in(group_b, 0) == AllocStatus.OK and len(bigger.swap_in(group_b)) == 3
+
+
+def test_free_forgets_a_request_asked_about_but_never_admitted():
+    mgr = SelfAttnBlockSpaceManager(2, 4, 0, watermark=0, enable_caching=True)
+    seq = Sequence(0, [0, 1, 2, 3], 2)
+    mgr.get_num_cached_tokens(seq)
+    assert 0 in mgr._computed_blocks_tracker
+    seq.status = SequenceStatus.FINISHED_ABORTED
+    mgr.free(seq)
+    assert 0 not in mgr._computed_blocks_tracker
+
+
+def test_a_failed_allocate_keeps_the_waiting_count():
+    mgr = SelfAttnBlockSpaceManager(2, 2, 0, watermark=0, enable_caching=True)
+    seq = Sequence(0, list(range(10)), 2)
+    assert mgr.get_num_cached_tokens(seq) == 0
+    before = dict(mgr._computed_blocks_tracker._seq_id_to_num_tokens_computed)
+    with pytest.raises(BlockAllocator.NoFreeBlocksError):   # 5 blocks needed, 2 in the pool
+        mgr.allocate(SequenceGroup("r", [seq]))
+    assert mgr._computed_blocks_tracker._seq_id_to_num_tokens_computed == before

@@ -126,14 +126,14 @@ class SelfAttnBlockSpaceManager:
             if needed > num_free:
                 raise BlockAllocator.NoFreeBlocksError(f"{needed} blocks needed, {num_free} free")
 
-        for seq in waiting:                      # a count taken while waiting may be stale now
-            self._computed_blocks_tracker.forget_num_cached_tokens(seq.seq_id)
         block_table = self._allocate_sequence(waiting[0])
         self.block_tables[waiting[0].seq_id] = block_table
         self._last_access_blocks_tracker.add_seq(waiting[0].seq_id)
         for seq in waiting[1:]:
             self.block_tables[seq.seq_id] = block_table.fork()
             self._last_access_blocks_tracker.add_seq(seq.seq_id)
+        for seq in waiting:                      # a count taken while waiting may be stale now
+            self._computed_blocks_tracker.forget_num_cached_tokens(seq.seq_id)
 
         if seq_group.is_encoder_decoder():
             self.cross_block_tables[seq_group.request_id] = self._allocate_sequence(seq_group.get_encoder_seq())
@@ -181,10 +181,13 @@ class SelfAttnBlockSpaceManager:
     # ---- Freeing ------------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         """Release a finished (or preempted) sequence's blocks; a sequence with no table is a
-        no-op. With caching, its blocks are first stamped with its last access time, so the
-        evictor keeps recently used prefixes longer."""
+        no-op, except that its cached-token count is forgotten (vLLM returns first, and keeps the
+        count of a request asked about and then dropped while waiting for ever). With caching,
+        its blocks are first stamped with its last access time, so the evictor keeps recently
+        used prefixes longer."""
         seq_id = seq.seq_id
         if seq_id not in self.block_tables:
+            self.remove_seq_from_computed_blocks_tracker(seq)
             return
         block_table = self.block_tables[seq_id]
         # Only GPU blocks carry access times (a swapped-out table's ids are CPU ids).
