@@ -763,30 +763,44 @@ class CachingWindowManager(ManagerMachine):
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None, derandomize=True, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
-# Each counter must reach about half of the least a run showed when these were set, so that
-# every machine really admits, decodes, swaps both ways, recomputes, copies on write, forks,
-# finishes, is told LATER, is refused, and (with caching) hits the prefix cache. The least, not a
-# single run's value: though derandomized, Hypothesis generates different examples depending on
-# which of the project's modules the process has imported (it draws constants from their source),
-# and the counts moved by up to 5x between runs alone and after other test modules.
+# Each counter must reach about half of what the run showed when these were set, so that every
+# machine really admits, decodes, swaps both ways, recomputes, copies on write, forks, finishes,
+# is told LATER, is refused, and (with caching) hits the prefix cache. The runs are derandomized
+# and, with the fixture below, the same whichever tests ran before.
 _COUNTERS = ("steps_checked", "admissions", "decode_steps", "later_admissions", "swap_outs", "swap_ins",
              "recomputes", "cow_pairs", "forks", "finished", "refused_calls", "prefix_cache_hits")
-# The least seen over 17 runs (alone, and after 15 different sets of other test modules), in the order
-# of _COUNTERS:
+# Seen, in the order of _COUNTERS:
 #   Naive          1646 195 161 40 55 48 14 20  76  86  87  -
-#   NaiveWindow    1975 126  54 17 15 12 21  5  71  55 144  -
-#   Caching        2039 154 141 17 26 18 14 31 137  70 161 50
-#   CachingWindow  1847 181  78  9 35 31 23  6  64  44 169 52
+#   NaiveWindow    2012 162  54 23 15 12 21  5 177 121 145  -
+#   Caching        2149 183 312 34 51 33 16 55 151 106 161 50
+#   CachingWindow  2118 233 184 30 47 43 23 63 119  74 213 71
 _MINIMUM = {
     NaiveManager: (820, 95, 80, 20, 27, 24, 7, 10, 38, 43, 43, 0),
-    NaiveWindowManager: (980, 63, 27, 8, 7, 6, 10, 2, 35, 27, 72, 0),
-    CachingManager: (1020, 77, 70, 8, 13, 9, 7, 15, 68, 35, 80, 25),
-    CachingWindowManager: (920, 90, 39, 4, 17, 15, 11, 3, 32, 22, 84, 26),
+    NaiveWindowManager: (1000, 80, 27, 11, 7, 6, 10, 2, 88, 60, 72, 0),
+    CachingManager: (1070, 90, 156, 17, 25, 16, 8, 27, 75, 53, 80, 25),
+    CachingWindowManager: (1050, 116, 92, 15, 23, 21, 11, 31, 59, 37, 106, 35),
 }
 
 
+@pytest.fixture
+def same_examples_whatever_ran_before(monkeypatch):
+    """Hypothesis (since 6.131) now and then draws a constant found in the source of the local
+    modules imported so far, so which tests ran first changed the examples, and the counts
+    asserted below moved by up to 5x. With no local constants the runs are the same every time.
+    (A private hook of the pinned Hypothesis; without it the counts may move again.)"""
+    from hypothesis.internal.conjecture import providers
+    if not hasattr(providers, "_get_local_constants"):
+        yield
+        return
+    empty = providers.Constants()
+    monkeypatch.setattr(providers, "_get_local_constants", lambda: empty)
+    providers.CONSTANTS_CACHE.cache.clear()             # values cached from other tests' constants
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
+
+
 @pytest.mark.parametrize("machine", list(_MINIMUM), ids=lambda m: m.__name__)
-def test_manager_state_machine(machine):
+def test_manager_state_machine(machine, same_examples_whatever_ran_before):
     machine.counters = Counter()
     machine.TestCase.settings = _settings
     machine.TestCase().runTest()
