@@ -23,6 +23,11 @@ from paged_attention.viz.v1 import (
     RowsSnapshot, cell_kinds, draw_dcp_ownership, draw_kernel_blocks, draw_row_history,
     draw_slot_mapping_arrows, draw_slot_mapping_times, request_kinds, snapshot_rows,
 )
+from paged_attention.viz.v2 import (
+    SlotProgram, StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
+    draw_uva_counters, draw_v2_step_times, fast_slot_programs, gather_kinds, seed_slot_programs, snapshot_uva,
+    staged_writes,
+)
 
 __all__ = [
     "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
@@ -36,4 +41,7 @@ __all__ = [
     "CATEGORY_COLORS", "IMPL_COLORS", "SEQ_COLORS", "seq_color",
     "RowsSnapshot", "snapshot_rows", "cell_kinds", "draw_row_history", "request_kinds",
     "draw_slot_mapping_arrows", "draw_dcp_ownership", "draw_kernel_blocks", "draw_slot_mapping_times",
+    "StagedWrite", "staged_writes", "apply_writes", "draw_staged_writes", "UvaSnapshot", "snapshot_uva",
+    "draw_uva_counters", "gather_kinds", "draw_gather", "SlotProgram", "seed_slot_programs", "fast_slot_programs",
+    "draw_slot_mapping_grid", "draw_v2_step_times",
 ]

@@ -1,0 +1,634 @@
+"""Drawing the model runner v2's block tables: staged writes, UVA counts, the gather, the slot-mapping grid.
+
+* ``staged_writes`` + ``apply_writes`` + ``draw_staged_writes``: the ``(row, start, ids)``
+  writes a ``StagedWriteTensor`` holds on the host, and the table before and after
+  ``apply_write()`` has run them, one Triton program per write, in one launch.
+* ``snapshot_uva`` + ``draw_uva_counters``: a ``UvaBackedTensor`` (the per-request block counts)
+  at several moments: the host array Python edits, the pool's pinned buffers, and which one
+  ``.gpu`` (what kernels are given) points to.
+* ``gather_kinds`` + ``draw_gather``: the persistent rows (one per request state) and the
+  batch-ordered rows ``gather_block_tables`` fills through ``idx_mapping``, with an arrow per
+  batch row, stale columns and padded rows marked.
+* ``seed_slot_programs`` / ``fast_slot_programs`` + ``draw_slot_mapping_grid``: which tokens each
+  program of ``compute_slot_mappings`` handles: the seed's one program per (group, request) plus a
+  padding program per group, and our token-parallel tiles, each doing every group.
+* ``draw_v2_step_times``: the v1 and v2 step times against the batch size (GPU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+from matplotlib.patches import Patch, Rectangle
+
+from paged_attention.utils import cdiv
+from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color
+
+STALE_COLOR = "#E45756"     # ids past a row's count (nothing reads them, but they are there)
+STALE_HATCH = "////"
+PADDING_COLOR = "#DDDDDD"   # padded rows and padded tokens
+UNPUBLISHED_COLOR = "#EECA3B"   # host values the GPU cannot see yet
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: Any) -> int:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    """A list of ints from a list, tuple, numpy array or tensor (through ``.tolist()``)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list, a numpy array or a tensor, got {type(value).__name__}")
+    for k, v in enumerate(value):
+        if not _is_int(v):
+            raise TypeError(f"{name}[{k}] must be an int, got {v!r}")
+    return [int(v) for v in value]
+
+
+def _int_table(value: Any, name: str) -> np.ndarray:
+    """A 2-D int64 array from a nested list, numpy array or tensor (moved to the host)."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows x columns), got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+    return array.astype(np.int64)
+
+
+def _cell(ax: Any, x: float, y: float, value: int | None, face: str, alpha: float, gid: str, *,
+          hatch: str | None = None, text_color: str = "black", h: float = 0.8) -> None:
+    """One table cell: a filled box with an outline, and its value written in it (None: no text)."""
+    ax.add_patch(Rectangle((x, y), 1, h, facecolor=face, alpha=alpha, edgecolor="none", gid=gid))
+    if hatch:
+        ax.add_patch(Rectangle((x, y), 1, h, facecolor="none", edgecolor=STALE_COLOR, lw=0, hatch=hatch,
+                               alpha=0.45, gid=f"{gid}_hatch"))
+    ax.add_patch(Rectangle((x, y), 1, h, facecolor="none", edgecolor=EDGE_COLOR, lw=0.5))
+    if value is not None:
+        ax.text(x + 0.5, y + h / 2, str(value), ha="center", va="center", fontsize=7, color=text_color, gid=gid)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Staged writes: a list on the host, one launch on the device
+# --------------------------------------------------------------------------------------------
+
+class StagedWrite(NamedTuple):
+    """One staged write: row ``row`` from element ``start`` on becomes ``ids``."""
+    row: int
+    start: int
+    ids: tuple
+
+
+def staged_writes(tensor: StagedWriteTensor) -> list[StagedWrite]:
+    """The writes ``tensor`` holds now, in the order they were staged (nothing is applied or
+    cleared): what its next ``apply_write()`` hands to the kernel, one program each."""
+    if not isinstance(tensor, StagedWriteTensor):
+        raise TypeError(f"tensor must be a StagedWriteTensor, got {type(tensor).__name__}")
+    writes, begin = [], 0
+    contents = tensor._staged_write_contents
+    for row, start, end in zip(tensor._staged_write_indices, tensor._staged_write_starts,
+                               tensor._staged_write_cu_lens):
+        writes.append(StagedWrite(int(row), int(start), tuple(contents[begin:end])))
+        begin = end
+    return writes
+
+
+def _checked_writes(writes: Any, shape: tuple[int, int]) -> list[StagedWrite]:
+    if isinstance(writes, (str, bytes)) or not isinstance(writes, (list, tuple)):
+        raise TypeError(f"writes must be a list of (row, start, ids), got {writes!r}")
+    rows, cols = shape
+    out: list[StagedWrite] = []
+    taken: dict[int, list[tuple[int, int]]] = {}
+    for k, w in enumerate(writes):
+        if not isinstance(w, (tuple, list)) or len(w) != 3:
+            raise TypeError(f"writes[{k}] must be (row, start, ids), got {w!r}")
+        row, start, ids = w
+        if not _is_int(row) or not _is_int(start):
+            raise TypeError(f"writes[{k}]: row and start must be ints, got {row!r}, {start!r}")
+        ids = tuple(_int_list(ids, f"writes[{k}].ids"))
+        if not 0 <= row < rows:
+            raise IndexError(f"writes[{k}]: row {row} is outside the rows 0..{rows - 1}")
+        if start < 0 or start + len(ids) > cols:
+            raise ValueError(f"writes[{k}]: {len(ids)} ids from column {start} do not fit a row of {cols} columns")
+        end = start + len(ids)
+        for s, e in taken.get(row, ()):
+            if ids and start < e and s < end:
+                raise ValueError(f"writes[{k}] overlaps an earlier write to row {row} (columns {s}..{e - 1}): the "
+                                 f"kernel runs writes in no order, so the result would be undefined")
+        if ids:
+            taken.setdefault(int(row), []).append((int(start), end))
+        out.append(StagedWrite(int(row), int(start), ids))
+    return out
+
+
+def apply_writes(table: Any, writes: Any) -> np.ndarray:
+    """What ``apply_write()`` makes of ``table`` (a 2-D array), computed with numpy: a copy with
+    every write applied. Cells no write covers keep their values. Overlapping writes raise
+    ValueError (the kernel applies them in no order, so their result is undefined)."""
+    out = _int_table(table, "table").copy()
+    for row, start, ids in _checked_writes(writes, out.shape):
+        out[row, start:start + len(ids)] = ids
+    return out
+
+
+def draw_staged_writes(writes: Any, before: Any, after: Any = None, ax: Any = None, title: str | None = None) -> Any:
+    """The staged writes as a list (left), the table before (middle) and after (right) one
+    ``apply_write()``.
+
+    Write ``k`` is program ``k`` of the launch and has its own colour; in the right-hand table the
+    cells it wrote take that colour, the others keep their values (grey where non-zero). ``after``
+    defaults to ``apply_writes(before, writes)``; pass the tensor the kernel produced to draw
+    that instead.
+    """
+    before_t = _int_table(before, "before")
+    writes = _checked_writes(writes, before_t.shape)
+    after_t = apply_writes(before_t, writes) if after is None else _int_table(after, "after")
+    if after_t.shape != before_t.shape:
+        raise ValueError(f"after has shape {after_t.shape}, before {before_t.shape}")
+    rows, cols = before_t.shape
+    writer = np.full((rows, cols), -1)
+    for k, (row, start, ids) in enumerate(writes):
+        writer[row, start:start + len(ids)] = k
+
+    list_w, gap = 7.0, 3.4
+    x_before = list_w + 1.2
+    x_after = x_before + cols + gap
+    ax = new_axes(ax, figsize=(min(15.0, 0.5 * (x_after + cols + 1.5)), 1.5 + 0.45 * max(rows, len(writes) + 1)))
+
+    ax.text(0, 0.35, "staged on the host: stage_write(row, start, ids)", ha="left", va="bottom", fontsize=8,
+            fontweight="bold")
+    for k, (row, start, ids) in enumerate(writes):
+        ax.text(0, -(k + 1) + 0.4, f"write {k}: row {row}, start {start}, ids {list(ids)}", ha="left",
+                va="center", fontsize=7.5, color=seq_color(k), fontweight="bold", gid="write_entry")
+    if not writes:
+        ax.text(0, -0.6, "(nothing staged: apply_write() launches nothing)", ha="left", va="center", fontsize=7.5,
+                color=MUTED_COLOR)
+
+    for x0, table, label in ((x_before, before_t, "before"),
+                             (x_after, after_t, f"after apply_write(): one launch, grid ({len(writes)},)")):
+        ax.text(x0, 0.35, label, ha="left", va="bottom", fontsize=8, fontweight="bold")
+        for r in range(rows):
+            y = -(r + 1)
+            ax.text(x0 - 0.15, y + 0.4, f"row {r}", ha="right", va="center", fontsize=7)
+            for c in range(cols):
+                value = int(table[r, c])
+                if table is after_t and writer[r, c] >= 0:
+                    _cell(ax, x0 + c, y, value, seq_color(int(writer[r, c])), 0.6, "written")
+                elif value != 0:
+                    _cell(ax, x0 + c, y, value, MUTED_COLOR, 0.3, "kept" if table is after_t else "before")
+                else:
+                    _cell(ax, x0 + c, y, None, "white", 1.0, "zero")
+    ax.annotate("", xy=(x_after - 1.1, -rows / 2), xytext=(x_before + cols + 0.3, -rows / 2),
+                arrowprops=dict(arrowstyle="-|>", color=EDGE_COLOR, lw=1.2))
+    ax.text(x_before + cols + (gap - 0.8) / 2, -rows / 2 + 0.15, "program k\ndoes write k", ha="center",
+            va="bottom", fontsize=6.5, color=EDGE_COLOR)
+    ax.set_xlim(-0.3, x_after + cols + 0.5)
+    ax.set_ylim(-max(rows, len(writes)) - 0.4, 1.2)
+    ax.axis("off")
+    ax.set_title(title if title is not None else
+                 "StagedWriteTensor: writes recorded on the host, applied by one kernel launch", fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 2. The block counts: host truth, pinned buffers, and what .gpu points to
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UvaSnapshot:
+    """A ``UvaBackedTensor`` at one moment.
+
+    ``host`` is ``.np`` (the truth Python edits), ``buffers`` the contents of each pinned pool
+    buffer, ``gpu_buffer`` the buffer ``.gpu`` is a view of (what a kernel launched now would
+    read), ``gpu_rows`` how many rows that view has, ``next_buffer`` where the next
+    ``copy_to_uva`` will copy to. Every table is 2-D (a 1-D tensor is one row).
+    """
+
+    label: str
+    host: tuple[tuple[int, ...], ...]
+    buffers: tuple[tuple[tuple[int, ...], ...], ...]
+    gpu_buffer: int | None
+    gpu_rows: int
+    next_buffer: int
+
+    @property
+    def gpu_view(self) -> tuple[tuple[int, ...], ...]:
+        """What a kernel reads through ``.gpu`` now: the first ``gpu_rows`` rows of its buffer."""
+        if self.gpu_buffer is None:
+            return ()
+        return self.buffers[self.gpu_buffer][:self.gpu_rows]
+
+    def unpublished(self) -> list[tuple[int, int]]:
+        """The (row, column) cells where the host differs from what ``.gpu`` shows (or that
+        ``.gpu`` does not have): edits the GPU cannot see until the next ``copy_to_uva``."""
+        view = self.gpu_view
+        cells = []
+        for r, row in enumerate(self.host):
+            for c, value in enumerate(row):
+                if r >= len(view) or view[r][c] != value:
+                    cells.append((r, c))
+        return cells
+
+
+def _as_rows(array: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    a = np.asarray(array)
+    if a.ndim == 1:
+        a = a[None, :]
+    return tuple(tuple(int(v) for v in row) for row in a.reshape(a.shape[0], -1).tolist())
+
+
+def snapshot_uva(tensor: UvaBackedTensor, label: str) -> UvaSnapshot:
+    """Copy ``tensor``'s host array, its pool buffers and where ``.gpu`` points now, for
+    ``draw_uva_counters``."""
+    if not isinstance(tensor, UvaBackedTensor):
+        raise TypeError(f"tensor must be a UvaBackedTensor, got {type(tensor).__name__}")
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str, got {type(label).__name__}")
+    bufs = tensor.pool._uva_bufs
+    gpu_ptr = tensor.gpu.data_ptr()
+    current = next((k for k, b in enumerate(bufs) if b.uva.data_ptr() == gpu_ptr), None)
+    rows = int(tensor.gpu.shape[0]) if tensor.gpu.dim() > 1 else (1 if tensor.gpu.numel() else 0)
+    return UvaSnapshot(label, _as_rows(tensor.np), tuple(_as_rows(b.np) for b in bufs), current, rows,
+                       (tensor.pool._curr + 1) % tensor.pool.max_concurrency)
+
+
+def draw_uva_counters(snapshots: Any, row_labels: Sequence[str] | None = None, ax: Any = None,
+                      title: str | None = None) -> Any:
+    """One panel per snapshot, left to right: the host array (``.np``, top) and each pinned pool
+    buffer under it, the one ``.gpu`` points to marked ``← .gpu``.
+
+    Host cells the GPU cannot see yet (they differ from ``.gpu``'s buffer) are yellow; the
+    buffer ``.gpu`` points to is coloured, the others (older copies, still readable by kernels
+    launched before the last ``copy_to_uva``) are grey. ``row_labels`` names the rows (e.g. the
+    KV-cache groups).
+    """
+    if isinstance(snapshots, UvaSnapshot):
+        snapshots = [snapshots]
+    if not isinstance(snapshots, (list, tuple)) or not snapshots:
+        raise ValueError("snapshots must be a non-empty list of UvaSnapshots (snapshot_uva)")
+    for k, s in enumerate(snapshots):
+        if not isinstance(s, UvaSnapshot):
+            raise TypeError(f"snapshots[{k}] is a {type(s).__name__}, not a UvaSnapshot")
+    rows, cols = len(snapshots[0].host), len(snapshots[0].host[0])
+    num_bufs = len(snapshots[0].buffers)
+    for s in snapshots:
+        if (len(s.host), len(s.host[0]), len(s.buffers)) != (rows, cols, num_bufs):
+            raise ValueError("every snapshot must come from the same UvaBackedTensor")
+    if row_labels is not None and len(row_labels) != rows:
+        raise ValueError(f"row_labels names {len(row_labels)} rows, the tensor has {rows}")
+    labels = list(row_labels) if row_labels is not None else [f"row {r}" for r in range(rows)]
+
+    label_w, marker_w = 2.2, 2.4
+    panel_w = label_w + cols + marker_w
+    block_h = rows + 1.0
+    panel_h = (num_bufs + 1) * block_h + 0.8
+    ax = new_axes(ax, figsize=(min(15.0, 0.36 * len(snapshots) * panel_w + 0.5), 0.36 * panel_h + 1.3))
+    for k, snap in enumerate(snapshots):
+        x0 = k * panel_w + label_w
+        ax.text(x0 - label_w + 0.2, 0.6, f"{k + 1}. {snap.label}", ha="left", va="bottom", fontsize=7.5,
+                fontweight="bold")
+        unpublished = set(snap.unpublished())
+        sections = [("host .np (the truth)", snap.host, "host")]
+        sections += [(f"buffer {b}", buf, f"buffer{b}") for b, buf in enumerate(snap.buffers)]
+        for i, (name, table, gid) in enumerate(sections):
+            y_top = -i * block_h
+            is_gpu = i >= 1 and i - 1 == snap.gpu_buffer
+            ax.text(x0, y_top + 0.05, name, ha="left", va="bottom", fontsize=7,
+                    color="black" if i == 0 or is_gpu else MUTED_COLOR)
+            if is_gpu:
+                ax.text(x0 + cols + 0.2, y_top - rows / 2, "← .gpu", ha="left", va="center", fontsize=8,
+                        fontweight="bold", color=seq_color(0), gid="gpu_marker")
+            elif i >= 1 and i - 1 == snap.next_buffer:
+                ax.text(x0 + cols + 0.2, y_top - rows / 2, "← next copy", ha="left", va="center", fontsize=6.5,
+                        color=MUTED_COLOR, gid="next_marker")
+            for r in range(rows):
+                y = y_top - (r + 1) * 0.9
+                ax.text(x0 - 0.15, y + 0.4, labels[r], ha="right", va="center", fontsize=6.5, color=EDGE_COLOR)
+                for c in range(cols):
+                    value = table[r][c]
+                    if i == 0:
+                        face, alpha, cell_gid = ((UNPUBLISHED_COLOR, 0.8, "unpublished") if (r, c) in unpublished
+                                                 else ("white", 1.0, "host"))
+                    elif is_gpu:
+                        face, alpha, cell_gid = seq_color(0), 0.35 if r < snap.gpu_rows else 0.1, "gpu"
+                    else:
+                        face, alpha, cell_gid = MUTED_COLOR, 0.2, "old"
+                    _cell(ax, x0 + c, y, value, face, alpha, cell_gid, h=0.8)
+    handles = [Patch(facecolor=UNPUBLISHED_COLOR, alpha=0.8, edgecolor=EDGE_COLOR,
+                     label="host value the GPU cannot see yet"),
+               Patch(facecolor=seq_color(0), alpha=0.35, edgecolor=EDGE_COLOR, label="what kernels read (.gpu)"),
+               Patch(facecolor=MUTED_COLOR, alpha=0.2, edgecolor=EDGE_COLOR, label="an older copy")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
+    ax.set_xlim(-0.2, len(snapshots) * panel_w)
+    ax.set_ylim(-(num_bufs + 1) * block_h + 0.6, 1.3)
+    ax.axis("off")
+    ax.set_title(title if title is not None else
+                 "UvaBackedTensor: edits on the host, published to the next pinned buffer by copy_to_uva()",
+                 fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 3. The gather: batch rows from request-state rows through idx_mapping
+# --------------------------------------------------------------------------------------------
+
+def gather_kinds(num_blocks: Any, idx_mapping: Any, gathered: Any) -> list[list[str]]:
+    """What each cell of the gathered (batch-ordered) table is, row by row:
+
+    * ``"copied"``: column ``< num_blocks[idx_mapping[b]]``: copied from the request's row now;
+    * ``"stale"``: past that count but not zero: left from an earlier step (the gather copies
+      only ``num_blocks`` columns; pitfall 20);
+    * ``"empty"``: past the count and zero;
+    * ``"padding"``: a row ``b >= len(idx_mapping)`` (``num_reqs_padded``), zeroed.
+    """
+    counts = _int_list(num_blocks, "num_blocks")
+    idx = _int_list(idx_mapping, "idx_mapping")
+    table = _int_table(gathered, "gathered")
+    if len(idx) > table.shape[0]:
+        raise ValueError(f"idx_mapping has {len(idx)} entries but gathered has {table.shape[0]} rows")
+    for b, s in enumerate(idx):
+        if not 0 <= s < len(counts):
+            raise IndexError(f"idx_mapping[{b}] = {s} names no request state (0..{len(counts) - 1})")
+    kinds = []
+    for b, row in enumerate(table.tolist()):
+        if b >= len(idx):
+            kinds.append(["padding"] * len(row))
+            continue
+        n = counts[idx[b]]
+        kinds.append(["copied" if c < n else "stale" if v != 0 else "empty" for c, v in enumerate(row)])
+    return kinds
+
+
+def _request_names(requests: Any, count: int) -> dict[int, str]:
+    if requests is None:
+        return {}
+    if isinstance(requests, Mapping):
+        return {int(k): str(v) for k, v in requests.items() if v is not None}
+    if isinstance(requests, (list, tuple)):
+        if len(requests) > count:
+            raise ValueError(f"requests names {len(requests)} request states, the table has {count}")
+        return {k: str(v) for k, v in enumerate(requests) if v is not None}
+    raise TypeError(f"requests must be a list (by request state) or a dict, got {type(requests).__name__}")
+
+
+def draw_gather(persistent: Any, num_blocks: Any, idx_mapping: Any, gathered: Any, requests: Any = None,
+                ax: Any = None, title: str | None = None) -> Any:
+    """The persistent table (left: one row per request state, as ``block_tables[g].gpu``) and the
+    gathered one (right: one row per batch position, as ``input_block_tables[g]``), with an arrow
+    from request state ``idx_mapping[b]`` to batch row ``b``.
+
+    Left, a row's first ``num_blocks[s]`` columns take the request's colour (ids past the count,
+    left by a shorter overwrite, are hatched). Right, cells are drawn by ``gather_kinds``:
+    copied ones in the colour of the request they came from, stale ones hatched, padded rows
+    grey. ``requests`` names the request in each state (a list by state, or a dict).
+    """
+    src = _int_table(persistent, "persistent")
+    dst = _int_table(gathered, "gathered")
+    counts = _int_list(num_blocks, "num_blocks")
+    idx = _int_list(idx_mapping, "idx_mapping")
+    if len(counts) != src.shape[0]:
+        raise ValueError(f"num_blocks has {len(counts)} counts but persistent has {src.shape[0]} rows")
+    if src.shape[1] != dst.shape[1]:
+        raise ValueError(f"persistent has {src.shape[1]} columns, gathered {dst.shape[1]}")
+    kinds = gather_kinds(counts, idx, dst)
+    names = _request_names(requests, src.shape[0])
+    rows_l, rows_r, cols = src.shape[0], dst.shape[0], src.shape[1]
+
+    label_w, gap = 3.2, 5.5
+    x_l = label_w
+    x_r = x_l + cols + gap
+    ax = new_axes(ax, figsize=(min(15.0, 0.42 * (x_r + cols + 1.0)), 1.6 + 0.42 * max(rows_l, rows_r)))
+    ax.text(x_l, 0.2, "block_tables[g]\n(one row per request state)", ha="left", va="bottom", fontsize=8,
+            fontweight="bold")
+    ax.text(x_r, 0.2, f"input_block_tables[g][:{rows_r}]\n(one row per batch position)", ha="left", va="bottom",
+            fontsize=8, fontweight="bold")
+    in_batch = set(idx)
+    for s in range(rows_l):
+        y = -(s + 1)
+        name = names.get(s)
+        color = seq_color(s)
+        ax.text(x_l - 0.15, y + 0.4, f"state {s}: {name if name else '—'}", ha="right", va="center", fontsize=7,
+                color=color if s in in_batch else MUTED_COLOR, fontweight="bold" if s in in_batch else "normal")
+        for c in range(cols):
+            value = int(src[s, c])
+            if c < counts[s]:
+                _cell(ax, x_l + c, y, value, color, 0.55, "held")
+            elif value != 0:
+                _cell(ax, x_l + c, y, value, "white", 1.0, "held_stale", hatch=STALE_HATCH, text_color=STALE_COLOR)
+            else:
+                _cell(ax, x_l + c, y, None, "white", 1.0, "held_empty")
+        ax.text(x_l + cols + 0.15, y + 0.4, f"n={counts[s]}", ha="left", va="center", fontsize=6.5,
+                color=EDGE_COLOR)
+    for b in range(rows_r):
+        y = -(b + 1)
+        if b < len(idx):
+            s = idx[b]
+            label, color = f"batch {b} ← state {s}", seq_color(s)
+        else:
+            label, color = f"batch {b}: padding", MUTED_COLOR
+        ax.text(x_r + cols + 0.15, y + 0.4, label, ha="left", va="center", fontsize=7, color=color)
+        for c in range(cols):
+            kind, value = kinds[b][c], int(dst[b, c])
+            if kind == "copied":
+                _cell(ax, x_r + c, y, value, color, 0.55, "copied")
+            elif kind == "stale":
+                _cell(ax, x_r + c, y, value, "white", 1.0, "stale", hatch=STALE_HATCH, text_color=STALE_COLOR)
+            elif kind == "padding":
+                _cell(ax, x_r + c, y, value, PADDING_COLOR, 0.8, "padding", text_color=MUTED_COLOR)
+            else:
+                _cell(ax, x_r + c, y, None, "white", 1.0, "empty")
+        if b < len(idx):
+            ax.annotate("", xy=(x_r - 0.1, y + 0.4), xytext=(x_l + cols + 1.2, -(idx[b] + 1) + 0.4),
+                        arrowprops=dict(arrowstyle="-|>", color=seq_color(idx[b]), lw=1.3, shrinkA=2, shrinkB=2),
+                        gid="gather_arrow")
+    handles = [Patch(facecolor=seq_color(0), alpha=0.55, edgecolor=EDGE_COLOR, label="copied (col < n)"),
+               Patch(facecolor="white", edgecolor=STALE_COLOR, hatch=STALE_HATCH, label="stale: past the count"),
+               Patch(facecolor=PADDING_COLOR, alpha=0.8, edgecolor=EDGE_COLOR, label="padded row (zeros)")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
+    ax.set_xlim(-0.2, x_r + cols + 4.2)
+    ax.set_ylim(-max(rows_l, rows_r) - 0.3, 1.5)
+    ax.axis("off")
+    ax.set_title(title if title is not None else
+                 f"gather_block_tables: batch row b ← request state idx_mapping[b] (idx_mapping = {idx})",
+                 fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 4. The slot-mapping kernel's grid: the seed's programs and our tiles
+# --------------------------------------------------------------------------------------------
+
+class SlotProgram(NamedTuple):
+    """One program of a slot-mapping launch and the slots ``[start, stop)`` it writes.
+
+    ``pid`` is its program id (``(group, request)`` for the seed, ``(tile,)`` for ours);
+    ``group`` the KV-cache group it writes (None: every group); ``kind`` is ``"request"`` (one
+    request's tokens), ``"padding"`` (the tail, filled with PAD_SLOT_ID) or ``"tile"`` (ours: a
+    run of slots, real tokens and padding alike).
+    """
+    pid: tuple
+    group: int | None
+    start: int
+    stop: int
+    kind: str
+
+
+def _checked_qsl(query_start_loc: Any, max_num_tokens: int) -> list[int]:
+    qsl = _int_list(query_start_loc, "query_start_loc")
+    if not qsl or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > max_num_tokens:
+        raise ValueError(f"query_start_loc must rise from 0 to at most max_num_tokens={max_num_tokens}, got {qsl}")
+    return qsl
+
+
+def seed_slot_programs(query_start_loc: Any, max_num_tokens: int, num_groups: int) -> list[SlotProgram]:
+    """The seed's grid ``(num_groups, num_reqs + 1)``: program ``(g, b)`` writes request ``b``'s
+    slots ``query_start_loc[b] .. query_start_loc[b+1]-1`` in group ``g``; the last one of each
+    group, ``(g, num_reqs)``, pads ``[query_start_loc[num_reqs], max_num_tokens)``."""
+    max_num_tokens = _positive("max_num_tokens", max_num_tokens)
+    num_groups = _positive("num_groups", num_groups)
+    qsl = _checked_qsl(query_start_loc, max_num_tokens)
+    num_reqs = len(qsl) - 1
+    programs = []
+    for g in range(num_groups):
+        for b in range(num_reqs):
+            programs.append(SlotProgram((g, b), g, qsl[b], qsl[b + 1], "request"))
+        programs.append(SlotProgram((g, num_reqs), g, qsl[-1], max_num_tokens, "padding"))
+    return programs
+
+
+def fast_slot_programs(max_num_tokens: int, block_tokens: int) -> list[SlotProgram]:
+    """Our grid ``(cdiv(max_num_tokens, block_tokens),)``: program ``p`` takes slots ``p *
+    block_tokens`` onwards (a tile), finds each one's request by binary search in
+    ``query_start_loc`` (or pads it), and writes it in every group."""
+    max_num_tokens = _positive("max_num_tokens", max_num_tokens)
+    block_tokens = _positive("block_tokens", block_tokens)
+    return [SlotProgram((p,), None, p * block_tokens, min((p + 1) * block_tokens, max_num_tokens), "tile")
+            for p in range(cdiv(max_num_tokens, block_tokens))]
+
+
+def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups: int, block_tokens: int,
+                           requests: Sequence[str] | None = None, ax: Any = None, title: str | None = None) -> Any:
+    """The slot-mapping buffer's ``max_num_tokens`` slots (top, coloured by batch position;
+    padding grey) and, under them, which program writes which slots: the seed's (one lane per
+    group; a box per request program, the padding program hatched) and ours (tiles of
+    ``block_tokens`` slots, each box spanning every group). ``requests`` names the batch
+    positions."""
+    max_num_tokens = _positive("max_num_tokens", max_num_tokens)
+    num_groups = _positive("num_groups", num_groups)
+    block_tokens = _positive("block_tokens", block_tokens)
+    qsl = _checked_qsl(query_start_loc, max_num_tokens)
+    num_reqs = len(qsl) - 1
+    if requests is not None and len(requests) != num_reqs:
+        raise ValueError(f"requests names {len(requests)} batch positions, query_start_loc has {num_reqs}")
+    names = [str(r) for r in requests] if requests is not None else [f"batch {b}" for b in range(num_reqs)]
+    seed = seed_slot_programs(qsl, max_num_tokens, num_groups)
+    fast = fast_slot_programs(max_num_tokens, block_tokens)
+    owner = [None] * max_num_tokens
+    for b in range(num_reqs):
+        for t in range(qsl[b], qsl[b + 1]):
+            owner[t] = b
+
+    T = max_num_tokens
+    w = 1.0 if T <= 40 else 40.0 / T           # width of one slot
+    lane_h, pitch = 0.7, 0.95
+    y_tok = 0.0
+    y_seed = y_tok - 1.6
+    y_fast = y_seed - num_groups * pitch - 1.0
+    ax = new_axes(ax, figsize=(min(15.0, 2.8 + 0.36 * T * w + 3.2), 1.6 + 0.42 * (2 * num_groups + 2)))
+
+    ax.text(-0.3, y_tok + 0.35, "slots (tokens)", ha="right", va="center", fontsize=7.5, fontweight="bold")
+    for t in range(T):
+        b = owner[t]
+        face = seq_color(b) if b is not None else PADDING_COLOR
+        ax.add_patch(Rectangle((t * w, y_tok), w, lane_h, facecolor=face, alpha=0.55 if b is not None else 0.9,
+                               edgecolor=EDGE_COLOR, lw=0.4, gid="token" if b is not None else "pad_token"))
+        if w >= 0.6:
+            ax.text((t + 0.5) * w, y_tok + lane_h / 2, str(t), ha="center", va="center", fontsize=6)
+    for b in range(num_reqs):
+        if qsl[b + 1] > qsl[b]:
+            ax.text((qsl[b] + qsl[b + 1]) / 2 * w, y_tok + lane_h + 0.08, names[b], ha="center", va="bottom",
+                    fontsize=7, color=seq_color(b), fontweight="bold")
+    if qsl[-1] < T:
+        ax.text((qsl[-1] + T) / 2 * w, y_tok + lane_h + 0.08, "padding (PAD_SLOT_ID)", ha="center", va="bottom",
+                fontsize=7, color=MUTED_COLOR)
+
+    ax.text(-0.3, y_seed + 0.55, "seed", ha="right", va="bottom", fontsize=8, fontweight="bold")
+    for g in range(num_groups):
+        ax.text(-0.3, y_seed - g * pitch + lane_h / 2, f"group {g}", ha="right", va="center", fontsize=7)
+    for prog in seed:
+        y = y_seed - prog.group * pitch
+        g, b = prog.pid
+        width = max(prog.stop - prog.start, 0.25) * w if prog.kind == "request" else (prog.stop - prog.start) * w
+        if prog.kind == "request":
+            face, alpha, hatch, gid = seq_color(b), 0.35, None, "seed_program"
+        else:
+            face, alpha, hatch, gid = PADDING_COLOR, 0.9, "xx", "seed_padding"
+        ax.add_patch(Rectangle((prog.start * w, y), width, lane_h, facecolor=face, alpha=alpha, edgecolor=EDGE_COLOR,
+                               lw=1.1, hatch=hatch, gid=gid))
+        if width >= 1.4:
+            ax.text(prog.start * w + width / 2, y + lane_h / 2, f"({g}, {b})", ha="center", va="center", fontsize=6.5,
+                    bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
+    ax.text(T * w + 0.3, y_seed - (num_groups - 1) * pitch / 2 + lane_h / 2,
+            f"grid ({num_groups}, {num_reqs} + 1):\n{len(seed)} programs; the last\nof each group pads",
+            ha="left", va="center", fontsize=7, gid="seed_count")
+
+    ax.text(-0.3, y_fast + lane_h + 0.15, "ours", ha="right", va="bottom", fontsize=8, fontweight="bold")
+    span_h = (num_groups - 1) * pitch + lane_h
+    for prog in fast:
+        ax.add_patch(Rectangle((prog.start * w, y_fast - (num_groups - 1) * pitch), (prog.stop - prog.start) * w,
+                               span_h, facecolor=seq_color(4), alpha=0.18, edgecolor=EDGE_COLOR, lw=1.1,
+                               gid="fast_program"))
+        if (prog.stop - prog.start) * w >= 1.2:
+            ax.text((prog.start + prog.stop) / 2 * w, y_fast - (num_groups - 1) * pitch + span_h / 2,
+                    f"program {prog.pid[0]}\nslots {prog.start}–{prog.stop - 1}\nevery group", ha="center",
+                    va="center", fontsize=6.5)
+    ax.text(T * w + 0.3, y_fast - (num_groups - 1) * pitch + span_h / 2,
+            f"grid (cdiv({T}, {block_tokens}),):\n{len(fast)} programs; each finds\nits tokens' requests",
+            ha="left", va="center", fontsize=7, gid="fast_count")
+    ax.set_xlim(-2.8, T * w + 4.2)
+    ax.set_ylim(y_fast - (num_groups - 1) * pitch - 0.3, y_tok + lane_h + 0.7)
+    ax.axis("off")
+    ax.set_title(title if title is not None else
+                 f"compute_slot_mappings: who writes which slot ({num_reqs} requests, {num_groups} groups, "
+                 f"{T} slots)", fontsize=10)
+    return ax
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Step times against the batch size
+# --------------------------------------------------------------------------------------------
+
+def draw_v2_step_times(batch_sizes: Sequence[int], times_us: dict[str, Sequence[float]], ax: Any = None,
+                       title: str | None = None) -> Any:
+    """Time per step (µs) against the number of requests in the batch, one line per
+    implementation (v1's numpy step with its copies, v2 seed, v2 ours, ...). Both axes are
+    logarithmic."""
+    sizes = _int_list(batch_sizes, "batch_sizes")
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got {sizes!r}")
+    if not isinstance(times_us, dict) or not times_us:
+        raise ValueError("times_us must be a non-empty dict of implementation name -> times")
+    series = {}
+    for name, times in times_us.items():
+        times = list(times)
+        if len(times) != len(sizes):
+            raise ValueError(f"times_us[{name!r}] has {len(times)} times for {len(sizes)} batch sizes")
+        for t in times:
+            if isinstance(t, bool) or not isinstance(t, Real) or not t > 0 or math.isinf(t):
+                raise ValueError(f"times_us[{name!r}] must hold positive times, got {t!r}")
+        series[name] = [float(t) for t in times]
+    return plot_times(new_axes(ax, figsize=(6.5, 4.0)), sizes, series, "requests in the batch",
+                      "time per step (µs, log scale)",
+                      title if title is not None else "Block tables and slot mapping per step: v1 vs v2")
