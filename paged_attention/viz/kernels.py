@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any, Sequence
 
 from matplotlib.patches import Rectangle
 
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
-    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, new_axes, plot_times, seq_color,
+    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, new_axes, plot_times, seq_color, times_series,
 )
 
 WARP_SIZE = 32
@@ -427,18 +427,7 @@ def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[floa
     contexts = list(contexts)
     if not contexts or not all(_is_int(c) and c > 0 for c in contexts):
         raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
-    if not isinstance(times_us, dict) or not times_us:
-        raise ValueError("times_us must be a non-empty dict of implementation name -> times")
-    series = {}
-    for name, times in times_us.items():
-        times = list(times)
-        if len(times) != len(contexts):
-            raise ValueError(f"times_us[{name!r}] has {len(times)} times for {len(contexts)} contexts")
-        for t in times:
-            if t is not None and (isinstance(t, bool) or not isinstance(t, Real)
-                                  or not (t > 0 or math.isnan(t))):
-                raise ValueError(f"times_us[{name!r}] must hold positive times (or None), got {t!r}")
-        series[name] = [math.nan if t is None else float(t) for t in times]
+    series = times_series(times_us, len(contexts), "contexts", allow_gaps=True)
 
     return plot_times(new_axes(ax, figsize=(7.0, 4.0)), contexts, series, "context length (tokens)",
                       "decode time (µs, log scale)",

@@ -5,6 +5,8 @@ every notebook.
 """
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Any
 
 # The four kinds of KV-cache memory (keys match ``memory_sim.CATEGORIES``).
@@ -60,6 +62,30 @@ def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
 
     _, ax = plt.subplots(figsize=figsize)
     return ax
+
+
+def times_series(times_us: Any, num_points: int, what: str, allow_gaps: bool = False) -> dict[str, list[float]]:
+    """Check a benchmark's ``{implementation: [time per point]}`` and return it as floats.
+
+    Every list must have one time per point (``what`` names the points in the error), each a
+    positive finite number; with ``allow_gaps``, ``None`` or NaN may stand for a point an
+    implementation cannot run, and becomes NaN (a gap in the line).
+    """
+    if not isinstance(times_us, dict) or not times_us:
+        raise ValueError("times_us must be a non-empty dict of implementation name -> times")
+    series = {}
+    for name, times in times_us.items():
+        times = list(times)
+        if len(times) != num_points:
+            raise ValueError(f"times_us[{name!r}] has {len(times)} times for {num_points} {what}")
+        for t in times:
+            if allow_gaps and (t is None or (isinstance(t, float) and math.isnan(t))):
+                continue
+            if isinstance(t, bool) or not isinstance(t, Real) or not t > 0 or math.isinf(t):
+                gaps = " (or None)" if allow_gaps else ""
+                raise ValueError(f"times_us[{name!r}] must hold positive times{gaps}, got {t!r}")
+        series[name] = [math.nan if t is None else float(t) for t in times]
+    return series
 
 
 def plot_times(ax: Any, xs: list[int], series: dict[str, list[float]], xlabel: str, ylabel: str,

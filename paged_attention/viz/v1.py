@@ -15,10 +15,9 @@
 """
 from __future__ import annotations
 
-import math
 import textwrap
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -27,7 +26,7 @@ from matplotlib.patches import Patch, Rectangle
 from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v1.block_table import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color, times_series
 
 STALE_COLOR = "#E45756"   # ids past a row's count: nothing reads them, but they are there
 STALE_HATCH = "////"
@@ -492,18 +491,7 @@ def draw_slot_mapping_times(num_tokens: Sequence[int], times_us: dict[str, Seque
     tokens = _int_list(num_tokens, "num_tokens")
     if not tokens or min(tokens) <= 0:
         raise ValueError(f"num_tokens must be a non-empty list of positive ints, got {tokens!r}")
-    if not isinstance(times_us, dict) or not times_us:
-        raise ValueError("times_us must be a non-empty dict of implementation name -> times")
-    series = {}
-    for name, times in times_us.items():
-        times = list(times)
-        if len(times) != len(tokens):
-            raise ValueError(f"times_us[{name!r}] has {len(times)} times for {len(tokens)} token counts")
-        for t in times:
-            if isinstance(t, bool) or not isinstance(t, Real) or not t > 0 or math.isinf(t):
-                raise ValueError(f"times_us[{name!r}] must hold positive times, got {t!r}")
-        series[name] = [float(t) for t in times]
-
+    series = times_series(times_us, len(tokens), "token counts")
     return plot_times(new_axes(ax, figsize=(6.0, 4.0)), tokens, series, "tokens in the step",
                       "time per call (µs, log scale)",
                       title if title is not None else "Slot mapping: numpy over the batch vs a Python loop")

@@ -16,9 +16,8 @@
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from paged_attention.utils import cdiv
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color, times_series
 
 STALE_COLOR = "#E45756"     # ids past a row's count (nothing reads them, but they are there)
 STALE_HATCH = "////"
@@ -618,17 +617,7 @@ def draw_v2_step_times(batch_sizes: Sequence[int], times_us: dict[str, Sequence[
     sizes = _int_list(batch_sizes, "batch_sizes")
     if not sizes or min(sizes) <= 0:
         raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got {sizes!r}")
-    if not isinstance(times_us, dict) or not times_us:
-        raise ValueError("times_us must be a non-empty dict of implementation name -> times")
-    series = {}
-    for name, times in times_us.items():
-        times = list(times)
-        if len(times) != len(sizes):
-            raise ValueError(f"times_us[{name!r}] has {len(times)} times for {len(sizes)} batch sizes")
-        for t in times:
-            if isinstance(t, bool) or not isinstance(t, Real) or not t > 0 or math.isinf(t):
-                raise ValueError(f"times_us[{name!r}] must hold positive times, got {t!r}")
-        series[name] = [float(t) for t in times]
+    series = times_series(times_us, len(sizes), "batch sizes")
     return plot_times(new_axes(ax, figsize=(6.5, 4.0)), sizes, series, "requests in the batch",
                       "time per step (µs, log scale)",
                       title if title is not None else "Block tables and slot mapping per step: v1 vs v2")
