@@ -24,3 +24,10 @@ def as_int_list(answer: Sequence[int], name: str) -> list[int]:
         return [int(x) for x in answer]
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a list of ints, got {answer!r}") from None
+
+
+def as_int(answer: int, name: str) -> int:
+    """A student's int (a numpy or torch integer is fine; a bool or a float is not)."""
+    if isinstance(answer, bool) or not hasattr(answer, "__index__"):
+        raise TypeError(f"{name} must be an int, got {answer!r}")
+    return int(answer)

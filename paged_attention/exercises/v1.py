@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from paged_attention.exercises import as_int_list, report
+from paged_attention.exercises import as_int, as_int_list, report
 from paged_attention.v1.block_table import BlockTable
 
 
@@ -24,12 +24,6 @@ def _slot(table: BlockTable, row: int, position: int) -> int:
     return int(table.slot_mapping.np[0])
 
 
-def _as_int(answer: int, name: str) -> int:
-    if isinstance(answer, bool) or not hasattr(answer, "__index__"):
-        raise TypeError(f"{name} must be an int, got {answer!r}")
-    return int(answer)
-
-
 def token_slot(answer: int, position: int = 37, row: Sequence[int] = (12, 3, 40), block_size: int = 16) -> bool:
     """Exercise 1: a request's row holds blocks ``row``; which slot is the token at ``position``
     written to?"""
@@ -39,7 +33,7 @@ def token_slot(answer: int, position: int = 37, row: Sequence[int] = (12, 3, 40)
     expected = _slot(table, 0, position)
     column, offset = divmod(position, block_size)
     return report(
-        _as_int(answer, "answer") == expected,
+        as_int(answer, "answer") == expected,
         f"position {position} is in column {column} (block {row[column]}) at offset {offset}: "
         f"{row[column]} * {block_size} + {offset} = {expected}",
         "find the column first (position // block_size), look the block id up in the row, then "
@@ -63,7 +57,7 @@ def row_after_condense(row: Sequence[int], count: int) -> bool:
     expected_row = table.get_numpy_array()[1].tolist()
     expected_count = int(table.num_blocks_per_row[1])
     return report(
-        (as_int_list(row, "row"), _as_int(count, "count")) == (expected_row, expected_count),
+        (as_int_list(row, "row"), as_int(count, "count")) == (expected_row, expected_count),
         f"row 1 is {expected_row} with count {expected_count}: move_row left C's ids in row 2, add_row "
         f"overwrote only its first column, and swap_row moved the whole row, stale columns and all",
         "move_row copies the used columns and leaves the source row as it was; add_row writes from "
@@ -89,7 +83,7 @@ def dcp_slot(rank: int, slot: int, position: int = 21, row: Sequence[int] = (10,
     run = position // interleave
     local = (position // (dcp_world_size * interleave)) * interleave + position % interleave
     return report(
-        (_as_int(rank, "rank"), _as_int(slot, "slot")) == expected,
+        (as_int(rank, "rank"), as_int(slot, "slot")) == expected,
         f"position {position} is in run {run} of {interleave}, so rank {run} % {dcp_world_size} = {expected[0]}; "
         f"it is that rank's local token {local}: block {row[local // block_size]}, offset {local % block_size}, "
         f"slot {expected[1]}; every other rank writes -1",
@@ -112,7 +106,7 @@ def kernel_slot(kernel_block: int, slot: int, position: int = 40, row: Sequence[
     bpk = block_size // kernel_block_size
     manager = row[position // block_size]
     return report(
-        (_as_int(kernel_block, "kernel_block"), _as_int(slot, "slot")) == (expected_block, expected_slot),
+        (as_int(kernel_block, "kernel_block"), as_int(slot, "slot")) == (expected_block, expected_slot),
         f"manager block {manager} is kernel blocks {manager * bpk}..{manager * bpk + bpk - 1}; position {position} "
         f"is kernel column {position // kernel_block_size}, kernel block {expected_block}, slot "
         f"{expected_block} * {kernel_block_size} + {position % kernel_block_size} = {expected_slot}, the same as "

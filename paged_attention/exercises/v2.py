@@ -11,15 +11,9 @@ from typing import Sequence
 import torch
 
 from paged_attention import runtime
-from paged_attention.exercises import as_int_list, report
+from paged_attention.exercises import as_int, as_int_list, report
 from paged_attention.v2.block_table import BlockTables
 from paged_attention.viz.v2 import fast_slot_programs, seed_slot_programs
-
-
-def _as_int(answer: int, name: str) -> int:
-    if isinstance(answer, bool) or not hasattr(answer, "__index__"):
-        raise TypeError(f"{name} must be an int, got {answer!r}")
-    return int(answer)
 
 
 def _i32(values: Sequence[int]) -> torch.Tensor:
@@ -90,7 +84,7 @@ def block_counts(host: int, device: int) -> bool:
     bt.append_block_ids(1, ([20, 21],), overwrite=False)
     expected = (int(bt.num_blocks.np[0, 1]), int(bt.num_blocks.gpu[0, 1]))
     return report(
-        (_as_int(host, "host"), _as_int(device, "device")) == expected,
+        (as_int(host, "host"), as_int(device, "device")) == expected,
         f"the host says {expected[0]} at once (append_block_ids updates num_blocks.np), the GPU still reads "
         f"{expected[1]}: num_blocks.gpu is the pinned buffer of the last copy_to_uva, which only "
         f"apply_staged_writes() refreshes",
@@ -108,7 +102,7 @@ def slot_programs(seed: int, ours: int, num_groups: int = 2, num_reqs: int = 102
     expected = (len(seed_slot_programs(qsl, max_num_batched_tokens, num_groups)),
                 len(fast_slot_programs(max_num_batched_tokens, block_tokens)))
     return report(
-        (_as_int(seed, "seed"), _as_int(ours, "ours")) == expected,
+        (as_int(seed, "seed"), as_int(ours, "ours")) == expected,
         f"seed: {num_groups} groups x ({num_reqs} requests + 1 padding program) = {expected[0]}; ours: "
         f"cdiv({max_num_batched_tokens}, {block_tokens}) = {expected[1]} tiles, each doing every group",
         "the seed's grid is (num_groups, num_reqs + 1); ours has one program per tile of block_tokens slots "
