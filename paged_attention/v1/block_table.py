@@ -50,6 +50,15 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 BlockIds = Union[Sequence[int], np.ndarray]
 
 
+def _is_later_form(later_form: tuple) -> bool:
+    """Was ``compute_slot_mapping`` called as ``(num_reqs, query_start_loc, positions)``, vLLM's
+    later form, rather than ``(req_indices, positions)``?"""
+    if len(later_form) > 1:
+        raise TypeError("compute_slot_mapping takes (req_indices, positions) or "
+                        "(num_reqs, query_start_loc, positions)")
+    return len(later_form) == 1
+
+
 class BlockTable:
     """The block table of one KV-cache group: block ids per batch row, on the CPU and the GPU.
 
@@ -196,10 +205,7 @@ class BlockTable:
         Called with three arguments, ``compute_slot_mapping(num_reqs, query_start_loc,
         positions)``, it is vLLM's later form: see ``compute_slot_mapping_from_query_start_loc``.
         """
-        if later_form:
-            if len(later_form) != 1:
-                raise TypeError("compute_slot_mapping takes (req_indices, positions) or "
-                                "(num_reqs, query_start_loc, positions)")
+        if _is_later_form(later_form):
             self.compute_slot_mapping_from_query_start_loc(req_indices, positions, later_form[0])
             return
         slots = self._slot_ids(req_indices, positions, self.block_table.np)
@@ -480,10 +486,7 @@ class MultiGroupBlockTable:
 
     def compute_slot_mapping(self, req_indices: Any, positions: Any, *later_form: Any) -> None:
         """Every group's slot mapping for the same tokens (each in its own block size)."""
-        if later_form:
-            if len(later_form) != 1:
-                raise TypeError("compute_slot_mapping takes (req_indices, positions) or "
-                                "(num_reqs, query_start_loc, positions)")
+        if _is_later_form(later_form):
             self.compute_slot_mapping_from_query_start_loc(req_indices, positions, later_form[0])
             return
         # Compute every group's slots first: a position one group cannot hold fails the call
