@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any, Sequence
 
 from matplotlib.patches import Rectangle
 
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
-    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, new_axes, plot_times, seq_color, times_series,
+    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
 )
+
 
 WARP_SIZE = 32
 CHUNK_BYTES = 16              # one vectorised load: the key cache's x-chunk is this many bytes
@@ -35,16 +35,6 @@ V1_BLOCK_SIZES = (8, 16, 32)  # the block sizes vLLM compiles its v0 kernels for
 # --------------------------------------------------------------------------------------------
 # 1. The arithmetic the drawings show
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _positive(name: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 def v0_key_offset(d: int, t: int, block_size: int, x: int) -> int:
@@ -98,13 +88,13 @@ class ThreadMapping:
 def v1_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes: int = 2,
                       num_warps: int = 4) -> ThreadMapping:
     """The numbers of :class:`ThreadMapping` for a block size, head size and cache element size."""
-    if block_size not in V1_BLOCK_SIZES or not _is_int(block_size):
+    if block_size not in V1_BLOCK_SIZES or not is_int(block_size):
         raise ValueError(f"block_size must be one of {V1_BLOCK_SIZES} (vLLM's compiled sizes), "
                          f"got {block_size!r}")
-    if dtype_bytes not in (1, 2, 4) or not _is_int(dtype_bytes):
+    if dtype_bytes not in (1, 2, 4) or not is_int(dtype_bytes):
         raise ValueError(f"dtype_bytes must be 1 (fp8), 2 (fp16/bf16) or 4 (fp32), got {dtype_bytes!r}")
-    head_size = _positive("head_size", head_size)
-    num_warps = _positive("num_warps", num_warps)
+    head_size = positive_int("head_size", head_size)
+    num_warps = positive_int("num_warps", num_warps)
     x = CHUNK_BYTES // dtype_bytes
     if head_size % x:
         raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x} for "
@@ -122,8 +112,8 @@ def v2_partitions(seq_len: int, partition_size: int = 512) -> list[range]:
     >>> v2_partitions(1400)
     [range(0, 512), range(512, 1024), range(1024, 1400)]
     """
-    seq_len = _positive("seq_len", seq_len)
-    partition_size = _positive("partition_size", partition_size)
+    seq_len = positive_int("seq_len", seq_len)
+    partition_size = positive_int("partition_size", partition_size)
     return [range(lo, min(lo + partition_size, seq_len)) for lo in range(0, seq_len, partition_size)]
 
 
@@ -170,9 +160,9 @@ def draw_v0_key_layout(head_size: int = 16, block_size: int = 4, x: int = 4, ax:
     ``[head_size, block_size]``, tokens innermost. Both strips wrap every ``block_size * x``
     elements; the number left of a row is the memory offset of its first element.
     """
-    head_size = _positive("head_size", head_size)
-    block_size = _positive("block_size", block_size)
-    x = _positive("x", x)
+    head_size = positive_int("head_size", head_size)
+    block_size = positive_int("block_size", block_size)
+    x = positive_int("x", x)
     if head_size % x:
         raise ValueError(f"head_size ({head_size}) must be a multiple of x ({x})")
     if head_size * block_size > _MAX_CELLS:
@@ -349,9 +339,9 @@ def draw_v2_partitions(seq_len: int = 1400, partition_size: int = 512, block_siz
     computes its maximum logit ``m_p``, exp-sum ``s_p`` and locally normalised output ``o_p``;
     at the bottom, the reduce kernel's formula.
     """
-    seq_len = _positive("seq_len", seq_len)
-    partition_size = _positive("partition_size", partition_size)
-    block_size = _positive("block_size", block_size)
+    seq_len = positive_int("seq_len", seq_len)
+    partition_size = positive_int("partition_size", partition_size)
+    block_size = positive_int("block_size", block_size)
     if partition_size % block_size:
         raise ValueError(f"partition_size ({partition_size}) must be a multiple of block_size "
                          f"({block_size}): a partition is a whole number of KV blocks")
@@ -425,7 +415,7 @@ def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[floa
     if hasattr(contexts, "tolist"):
         contexts = contexts.tolist()
     contexts = list(contexts)
-    if not contexts or not all(_is_int(c) and c > 0 for c in contexts):
+    if not contexts or not all(is_int(c) and c > 0 for c in contexts):
         raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
     series = times_series(times_us, len(contexts), "contexts", allow_gaps=True)
 

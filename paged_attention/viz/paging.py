@@ -11,13 +11,12 @@ token's *slot*, the row of the cache its key and value are written to:
 """
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Any
 
 from matplotlib.patches import Rectangle
 
 from paged_attention.utils import cdiv
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, seq_color
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, is_int, new_axes, seq_color
 
 # --------------------------------------------------------------------------------------------
 # 1. Checking the inputs, once for every function here
@@ -34,10 +33,6 @@ def _as_list(value: Any, name: str) -> list:
     return list(value)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
 def _checked(block_table: Any, seq_lens: Any,
              block_size: Any) -> tuple[list[list[int]], list[int], int]:
     """Validate the triangle and return (rows cut to the blocks in use, seq_lens, block_size).
@@ -46,11 +41,11 @@ def _checked(block_table: Any, seq_lens: Any,
     (padding, stale ids) is ignored, as the kernels ignore it. Extra rows are ignored too, so a
     whole ``max_num_reqs``-row table can be passed with the lengths of its first rows.
     """
-    if not _is_int(block_size) or block_size <= 0:
+    if not is_int(block_size) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     lens = _as_list(seq_lens, "seq_lens")
     for s, length in enumerate(lens):
-        if not _is_int(length) or length < 0:
+        if not is_int(length) or length < 0:
             raise ValueError(f"seq_lens[{s}] must be an int >= 0, got {length!r}")
     table = _as_list(block_table, "block_table")
     if len(table) < len(lens):
@@ -65,7 +60,7 @@ def _checked(block_table: Any, seq_lens: Any,
             raise ValueError(f"block_table[{s}] has {len(row)} entries, but seq_lens[{s}]="
                              f"{length} needs {needed} blocks of block_size={block_size}")
         for j, block_id in enumerate(row[:needed]):
-            if not _is_int(block_id) or block_id < 0:
+            if not is_int(block_id) or block_id < 0:
                 raise ValueError(f"block_table[{s}][{j}] must be a block id >= 0, "
                                  f"got {block_id!r}")
         rows.append([int(b) for b in row[:needed]])
@@ -127,7 +122,7 @@ def draw_block_table(block_table: Any, seq_lens: Any, block_size: int,
     used_ids = [b for row in rows for b in row]
     if num_blocks is None:
         num_blocks = max(used_ids, default=-1) + 1
-    elif not _is_int(num_blocks) or num_blocks < 0:
+    elif not is_int(num_blocks) or num_blocks < 0:
         raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
     if used_ids and max(used_ids) >= num_blocks:
         raise ValueError(f"block_table uses block id {max(used_ids)}, but num_blocks="
@@ -222,9 +217,9 @@ def draw_slot_mapping(block_table: Any, seq_lens: Any, block_size: int, ax: Any 
         seqs = list(range(len(lens)))
     seqs = _as_list(seqs, "seqs")
     for s in seqs:
-        if not _is_int(s) or not 0 <= s < len(lens):
+        if not is_int(s) or not 0 <= s < len(lens):
             raise ValueError(f"seqs must hold sequence indices in 0..{len(lens) - 1}, got {s!r}")
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens <= 0):
         raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
 
     shown = [lens[s] if max_tokens is None else min(lens[s], max_tokens) for s in seqs]

@@ -6,7 +6,7 @@ every notebook.
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 # The four kinds of KV-cache memory (keys match ``memory_sim.CATEGORIES``).
@@ -62,6 +62,29 @@ def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
 
     _, ax = plt.subplots(figsize=figsize)
     return ax
+
+
+def is_int(value: Any) -> bool:
+    """An int (numpy's and torch's included), but not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: Any) -> int:
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def int_list(value: Any, name: str) -> list[int]:
+    """A list of ints from a list, tuple, range, numpy array or tensor (through ``.tolist()``)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list, a numpy array or a tensor, got {type(value).__name__}")
+    for k, v in enumerate(value):
+        if not is_int(v):
+            raise TypeError(f"{name}[{k}] must be an int, got {v!r}")
+    return [int(v) for v in value]
 
 
 def times_series(times_us: Any, num_points: int, what: str, allow_gaps: bool = False) -> dict[str, list[float]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -26,32 +25,12 @@ from matplotlib.patches import Patch, Rectangle
 from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v1.block_table import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color, times_series
+from paged_attention.viz.style import (
+    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
+)
 
 STALE_COLOR = "#E45756"   # ids past a row's count: nothing reads them, but they are there
 STALE_HATCH = "////"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _positive(name: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    """A list of ints from a list, tuple, numpy array or tensor (through ``.tolist()``)."""
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a list, a numpy array or a tensor, got {type(value).__name__}")
-    for k, v in enumerate(value):
-        if not _is_int(v):
-            raise TypeError(f"{name}[{k}] must be an int, got {v!r}")
-    return [int(v) for v in value]
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,7 +71,7 @@ def snapshot_rows(block_table: BlockTable, label: str, requests: Sequence[str | 
     for name in requests:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"each request name must be a str or None, got {name!r}")
-    if num_reqs is not None and (not _is_int(num_reqs) or not 0 <= num_reqs <= rows):
+    if num_reqs is not None and (not is_int(num_reqs) or not 0 <= num_reqs <= rows):
         raise ValueError(f"num_reqs must be None or an int in [0, {rows}], got {num_reqs!r}")
     table = tuple(tuple(int(b) for b in row) for row in block_table.get_numpy_array().tolist())
     counts = tuple(int(n) for n in block_table.num_blocks_per_row.tolist())
@@ -158,7 +137,7 @@ def draw_row_history(snapshots: Any, ax: Any = None, per_line: int = 3, title: s
     snapshot has ``num_reqs``, a dashed line closes the rows that step commits to the GPU.
     """
     snapshots = _checked_snapshots(snapshots)
-    per_line = _positive("per_line", per_line)
+    per_line = positive_int("per_line", per_line)
     colors = request_colors(snapshots)
     num_rows, num_cols = len(snapshots[0].table), len(snapshots[0].table[0])
     label_w, count_w, cell_h = 2.4, 1.3, 0.8
@@ -236,8 +215,8 @@ def request_kinds(req_indices: Any, positions: Any) -> dict[int, str]:
     A request that schedules exactly one token, past position 0, is decoding (its prompt is in
     the cache already); anything else is a prefill: a whole prompt, or a chunk of one.
     """
-    rows = _int_list(req_indices, "req_indices")
-    pos = _int_list(positions, "positions")
+    rows = int_list(req_indices, "req_indices")
+    pos = int_list(positions, "positions")
     if len(rows) != len(pos):
         raise ValueError(f"req_indices and positions must have the same length, got {len(rows)} and {len(pos)}")
     tokens: dict[int, list[int]] = {}
@@ -259,10 +238,10 @@ def draw_slot_mapping_arrows(req_indices: Any, positions: Any, slots: Any, block
     whose slot is ``PAD_SLOT_ID`` (-1: another DCP rank stores it) is hatched and has no arrow.
     ``requests`` names the request in each row (default: ``row r``).
     """
-    rows = _int_list(req_indices, "req_indices")
-    pos = _int_list(positions, "positions")
-    slot_ids = _int_list(slots, "slots")
-    block_size = _positive("block_size", block_size)
+    rows = int_list(req_indices, "req_indices")
+    pos = int_list(positions, "positions")
+    slot_ids = int_list(slots, "slots")
+    block_size = positive_int("block_size", block_size)
     if not len(rows) == len(pos) == len(slot_ids):
         raise ValueError(f"req_indices, positions and slots must have the same length, "
                          f"got {len(rows)}, {len(pos)} and {len(slot_ids)}")
@@ -361,10 +340,10 @@ def draw_dcp_ownership(num_positions: int, dcp_world_size: int, interleave: int,
     dcp_world_size`` positions of "virtual block" ``j`` (marked on top), of which each rank
     stores ``block_size``, packed densely in its own block ``j``, drawn under that span.
     """
-    n = _positive("num_positions", num_positions)
-    world = _positive("dcp_world_size", dcp_world_size)
-    step = _positive("interleave", interleave)
-    B = _positive("block_size", block_size)
+    n = positive_int("num_positions", num_positions)
+    world = positive_int("dcp_world_size", dcp_world_size)
+    step = positive_int("interleave", interleave)
+    B = positive_int("block_size", block_size)
     if world > 1 and B % step:
         raise ValueError(f"with DCP the interleave size ({step}) must divide the block size ({B})")
     virtual = B * world
@@ -426,16 +405,16 @@ def draw_kernel_blocks(manager_block_ids: Any, block_size: int, kernel_block_siz
     ``b*bpk .. b*bpk + bpk-1`` (``BlockTable.map_to_kernel_blocks``). With ``position``, that
     token is marked in both, with its slot computed both ways (they are the same slot).
     """
-    ids = _int_list(manager_block_ids, "manager_block_ids")
+    ids = int_list(manager_block_ids, "manager_block_ids")
     if not ids or min(ids) < 0:
         raise ValueError(f"manager_block_ids must be a non-empty list of block ids >= 0, got {ids!r}")
-    bs = _positive("block_size", block_size)
-    kb = _positive("kernel_block_size", kernel_block_size)
+    bs = positive_int("block_size", block_size)
+    kb = positive_int("kernel_block_size", kernel_block_size)
     if bs % kb:
         raise ValueError(f"kernel_block_size {kb} must divide block_size {bs} evenly")
     bpk = bs // kb
     kernel_ids = BlockTable.map_to_kernel_blocks(np.asarray(ids, dtype=np.int64), bpk, None).tolist()
-    if position is not None and (not _is_int(position) or not 0 <= position < len(ids) * bs):
+    if position is not None and (not is_int(position) or not 0 <= position < len(ids) * bs):
         raise ValueError(f"position must be an int in [0, {len(ids) * bs}) (the row's tokens), got {position!r}")
 
     w, h = 2.2, 0.8                         # width of one kernel block, height of a box
@@ -488,7 +467,7 @@ def draw_slot_mapping_times(num_tokens: Sequence[int], times_us: dict[str, Seque
                             title: str | None = None) -> Any:
     """Time per call (µs) against the number of tokens in the step, one line per
     implementation (``bench.slot_mapping_times``'s result). Both axes are logarithmic."""
-    tokens = _int_list(num_tokens, "num_tokens")
+    tokens = int_list(num_tokens, "num_tokens")
     if not tokens or min(tokens) <= 0:
         raise ValueError(f"num_tokens must be a non-empty list of positive ints, got {tokens!r}")
     series = times_series(times_us, len(tokens), "token counts")

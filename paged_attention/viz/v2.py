@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -25,34 +24,14 @@ from matplotlib.patches import Patch, Rectangle
 
 from paged_attention.utils import cdiv
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color, times_series
+from paged_attention.viz.style import (
+    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
+)
 
 STALE_COLOR = "#E45756"     # ids past a row's count (nothing reads them, but they are there)
 STALE_HATCH = "////"
 PADDING_COLOR = "#DDDDDD"   # padded rows and padded tokens
 UNPUBLISHED_COLOR = "#EECA3B"   # host values the GPU cannot see yet
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def _positive(name: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    """A list of ints from a list, tuple, numpy array or tensor (through ``.tolist()``)."""
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list, a numpy array or a tensor, got {type(value).__name__}")
-    for k, v in enumerate(value):
-        if not _is_int(v):
-            raise TypeError(f"{name}[{k}] must be an int, got {v!r}")
-    return [int(v) for v in value]
 
 
 def _int_table(value: Any, name: str) -> np.ndarray:
@@ -114,9 +93,9 @@ def _checked_writes(writes: Any, shape: tuple[int, int]) -> list[StagedWrite]:
         if not isinstance(w, (tuple, list)) or len(w) != 3:
             raise TypeError(f"writes[{k}] must be (row, start, ids), got {w!r}")
         row, start, ids = w
-        if not _is_int(row) or not _is_int(start):
+        if not is_int(row) or not is_int(start):
             raise TypeError(f"writes[{k}]: row and start must be ints, got {row!r}, {start!r}")
-        ids = tuple(_int_list(ids, f"writes[{k}].ids"))
+        ids = tuple(int_list(ids, f"writes[{k}].ids"))
         if not 0 <= row < rows:
             raise IndexError(f"writes[{k}]: row {row} is outside the rows 0..{rows - 1}")
         if start < 0 or start + len(ids) > cols:
@@ -352,8 +331,8 @@ def gather_kinds(num_blocks: Any, idx_mapping: Any, gathered: Any) -> list[list[
     * ``"empty"``: past the count and zero;
     * ``"padding"``: a row ``b >= len(idx_mapping)`` (``num_reqs_padded``), zeroed.
     """
-    counts = _int_list(num_blocks, "num_blocks")
-    idx = _int_list(idx_mapping, "idx_mapping")
+    counts = int_list(num_blocks, "num_blocks")
+    idx = int_list(idx_mapping, "idx_mapping")
     table = _int_table(gathered, "gathered")
     if len(idx) > table.shape[0]:
         raise ValueError(f"idx_mapping has {len(idx)} entries but gathered has {table.shape[0]} rows")
@@ -395,8 +374,8 @@ def draw_gather(persistent: Any, num_blocks: Any, idx_mapping: Any, gathered: An
     """
     src = _int_table(persistent, "persistent")
     dst = _int_table(gathered, "gathered")
-    counts = _int_list(num_blocks, "num_blocks")
-    idx = _int_list(idx_mapping, "idx_mapping")
+    counts = int_list(num_blocks, "num_blocks")
+    idx = int_list(idx_mapping, "idx_mapping")
     if len(counts) != src.shape[0]:
         raise ValueError(f"num_blocks has {len(counts)} counts but persistent has {src.shape[0]} rows")
     if src.shape[1] != dst.shape[1]:
@@ -485,7 +464,7 @@ class SlotProgram(NamedTuple):
 
 
 def _checked_qsl(query_start_loc: Any, max_num_tokens: int) -> list[int]:
-    qsl = _int_list(query_start_loc, "query_start_loc")
+    qsl = int_list(query_start_loc, "query_start_loc")
     if not qsl or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > max_num_tokens:
         raise ValueError(f"query_start_loc must rise from 0 to at most max_num_tokens={max_num_tokens}, got {qsl}")
     return qsl
@@ -495,8 +474,8 @@ def seed_slot_programs(query_start_loc: Any, max_num_tokens: int, num_groups: in
     """The seed's grid ``(num_groups, num_reqs + 1)``: program ``(g, b)`` writes request ``b``'s
     slots ``query_start_loc[b] .. query_start_loc[b+1]-1`` in group ``g``; the last one of each
     group, ``(g, num_reqs)``, pads ``[query_start_loc[num_reqs], max_num_tokens)``."""
-    max_num_tokens = _positive("max_num_tokens", max_num_tokens)
-    num_groups = _positive("num_groups", num_groups)
+    max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
+    num_groups = positive_int("num_groups", num_groups)
     qsl = _checked_qsl(query_start_loc, max_num_tokens)
     num_reqs = len(qsl) - 1
     programs = []
@@ -511,8 +490,8 @@ def fast_slot_programs(max_num_tokens: int, block_tokens: int) -> list[SlotProgr
     """Our grid ``(cdiv(max_num_tokens, block_tokens),)``: program ``p`` takes slots ``p *
     block_tokens`` onwards (a tile), finds each one's request by binary search in
     ``query_start_loc`` (or pads it), and writes it in every group."""
-    max_num_tokens = _positive("max_num_tokens", max_num_tokens)
-    block_tokens = _positive("block_tokens", block_tokens)
+    max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
+    block_tokens = positive_int("block_tokens", block_tokens)
     return [SlotProgram((p,), None, p * block_tokens, min((p + 1) * block_tokens, max_num_tokens), "tile")
             for p in range(cdiv(max_num_tokens, block_tokens))]
 
@@ -524,9 +503,9 @@ def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups
     group; a box per request program, the padding program hatched) and ours (tiles of
     ``block_tokens`` slots, each box spanning every group). ``requests`` names the batch
     positions."""
-    max_num_tokens = _positive("max_num_tokens", max_num_tokens)
-    num_groups = _positive("num_groups", num_groups)
-    block_tokens = _positive("block_tokens", block_tokens)
+    max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
+    num_groups = positive_int("num_groups", num_groups)
+    block_tokens = positive_int("block_tokens", block_tokens)
     qsl = _checked_qsl(query_start_loc, max_num_tokens)
     num_reqs = len(qsl) - 1
     if requests is not None and len(requests) != num_reqs:
@@ -614,7 +593,7 @@ def draw_v2_step_times(batch_sizes: Sequence[int], times_us: dict[str, Sequence[
     """Time per step (µs) against the number of requests in the batch, one line per
     implementation (v1's numpy step with its copies, v2 seed, v2 ours, ...). Both axes are
     logarithmic."""
-    sizes = _int_list(batch_sizes, "batch_sizes")
+    sizes = int_list(batch_sizes, "batch_sizes")
     if not sizes or min(sizes) <= 0:
         raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got {sizes!r}")
     series = times_series(times_us, len(sizes), "batch sizes")
