@@ -1,16 +1,20 @@
 """v2 block tables on the GPU: the seed's kernels against ours, and v2's step against v1's.
 
-Usage (GPU machine):  python benchmarks/bench_v2_block_tables.py [--sweep]
+Usage (GPU machine):  python benchmarks/bench_v2_block_tables.py [--sweep | --single-launch]
 Prints, with the GPU's name:
 * gather_block_tables and compute_slot_mappings alone, seed vs ours (do_bench: median GPU time,
   and the same call replayed from a CUDA graph), for 1024 requests of one group with 16 tokens
   each (16384 tokens) and with 1 token each (pure decode, 1024 tokens);
-* the whole v2 step with two groups (block sizes 16 and 32) at 1024 requests / 16384 tokens:
-  staging + apply + gather + slots on the wall clock, gather + slots on the GPU, eager and
-  replayed from a CUDA graph;
+* the whole per-step v2 path with two groups (block sizes 16 and 32) at 1024 requests / 16384
+  tokens (the issue's measure): apply of all groups' staged writes + gather + slot mappings,
+  the device launches, eager (do_bench), replayed from a CUDA graph, and with the host's launch
+  work hidden ("queued"); seed, ours, and ours with the gather and slots fused in one launch;
+  and a real step (host staging included) on the wall clock;
 * v1's step (append_row, numpy slot mapping, pinned host-to-device copies) next to v2's for
   batch sizes 8 ... 1024, decoding one token per request, on the wall clock.
-``--sweep`` also tries launch shapes of our kernels (tile sizes), to choose the defaults.
+``--single-launch`` times only the experimental one-launch step (run it in a process of its own:
+its kernel spins on a counter). ``--sweep`` also tries launch shapes of our kernels (tile sizes),
+to choose the defaults.
 Every configuration is verified (seed = ours = numpy) before it is timed.
 """
 import argparse
@@ -29,6 +33,9 @@ def row(label: str, **cols: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also sweep our kernels' tile sizes")
+    parser.add_argument("--single-launch", action="store_true",
+                        help="only time the experimental single-launch step (section [2b]): it spins on "
+                             "a counter, so run it in a process of its own")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs an NVIDIA GPU (on a CPU the Triton interpreter says nothing about speed)")
@@ -39,6 +46,25 @@ def main() -> int:
     print(f"GPU: {torch.cuda.get_device_name()}  (torch {torch.__version__}, triton "
           f"{__import__('triton').__version__})", flush=True)
     warm_up()
+    if opts.single_launch:
+        print("\n[2b] the whole per-step path in ONE launch (ours, experimental; same workload as [2])")
+        bt, batch = vb.build([16, 32], 1024, 16, 2048)
+        ref, ref_batch = vb.build([16, 32], 1024, 16, 2048)          # the same tables (same seed)
+        whole = vb.v2_single_launch_path(bt, batch, (64, 32))
+        for _ in range(3):
+            whole()
+        vb.stage_appends(ref, ref_batch, (64, 32))
+        ref.apply_staged_writes()
+        ref.gather_and_compute_slot_mappings(ref_batch.idx_mapping, ref_batch.query_start_loc, ref_batch.positions)
+        same = all(torch.equal(x.gpu, y.gpu) for x, y in zip(bt.block_tables, ref.block_tables)) and \
+            all(torch.equal(x, y) for x, y in zip(bt.input_block_tables, ref.input_block_tables)) and \
+            torch.equal(bt.slot_mappings, ref.slot_mappings) and bt._step_sync.tolist() == [0, 0]
+        assert same, "the single launch disagrees with apply + fused gather/slots"
+        print("  (verified: same tables, gathered tables and slots as apply + fused gather/slots)")
+        row("whole path [fast, single launch]", eager=vb.gpu_us(whole), graph=vb.graph_us(whole),
+            hot=vb.hot_us(whole), queued=vb.queued_us(whole), host=vb.host_us(whole))
+        assert bt._step_sync.tolist() == [0, 0]
+        return 0
 
     print("\nlaunch floor (a Triton kernel storing one int):")
     row("one store", **vb.launch_floor_us())
@@ -84,15 +110,26 @@ def main() -> int:
             bt.gather_rows, bt.gather_block_cols = 4, 128
         del bt, batch
 
-    print("\n[2] whole v2 step, two groups (block sizes 16, 32), 1024 requests x 16 tokens = 16384 tokens")
-    print("    (wall: 64 requests get a block in group 0 and 32 in group 1 each step; staging, apply,")
-    print("     gather, slots, host work included. eager/graph: gather + slots on the GPU)")
-    for impl in ("seed", "fast"):
+    print("\n[2] the whole per-step v2 path, two groups (block sizes 16, 32), 1024 requests x 16 tokens")
+    print("    = 16384 tokens; each step 64 requests get a block in group 0 and 32 in group 1.")
+    print("    whole path = apply (all groups' staged writes) + gather + slot mappings, the device launches")
+    print("    only (the step's writes are staged once, and every call applies them again);")
+    print("    queued: as eager, the host's launch work hidden behind a GPU sleep (GPU time alone);")
+    print("    host: Python time to issue the launches; wall: a real step, host staging included")
+    for impl, fused in (("seed", False), ("fast", False), ("fast", True)):
+        name = f"{impl}{', fused gather+slots' if fused else ''}"
         bt, batch = vb.build([16, 32], 1024, 16, 2048, impl=impl)
         assert vb.same_results(bt, batch), "seed and fast kernels disagree"
-        device_step = vb.v2_device_step(bt, batch, impl)
-        row(f"v2 step [{impl}]", wall=vb.wall_us(vb.v2_full_step(bt, batch, impl, (64, 32)), n=100),
-            eager=vb.gpu_us(device_step), graph=vb.graph_us(device_step), hot=vb.hot_us(device_step))
+        whole = vb.v2_whole_device_path(bt, batch, impl, (64, 32), fused=fused)
+        row(f"whole path [{name}]", eager=vb.gpu_us(whole), graph=vb.graph_us(whole), hot=vb.hot_us(whole),
+            queued=vb.queued_us(whole), host=vb.host_us(whole))
+        part = vb.v2_fused_device_step(bt, batch) if fused else vb.v2_device_step(bt, batch, impl)
+        row(f"  gather + slots only [{name}]", eager=vb.gpu_us(part), graph=vb.graph_us(part),
+            hot=vb.hot_us(part), queued=vb.queued_us(part), host=vb.host_us(part))
+        del bt, batch
+        bt, batch = vb.build([16, 32], 1024, 16, 2048, impl=impl)
+        row(f"  wall clock, a real step [{name}]",
+            wall=vb.wall_us(vb.v2_full_step(bt, batch, impl, (64, 32), fused=fused), n=100))
         del bt, batch
 
     print("\n[3] one decode step (1 token per request, one group of block size 16), wall clock;")

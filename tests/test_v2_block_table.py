@@ -258,6 +258,25 @@ def test_bad_appends_raise_and_change_nothing(call, error, match):
     assert tables(bt)[0][0, :3].tolist() == [1, 2, 4] and tables(bt)[1][0, :2].tolist() == [3, 5]
 
 
+@pytest.mark.parametrize("forget", ["clear", "apply_write", "pop"])
+def test_overlap_record_goes_with_the_staged_writes(forget):
+    # The overlap check reads the ranges each table has staged: staged writes cleared, applied
+    # or popped straight on bt.block_tables[g] (not through apply_staged_writes) take their
+    # ranges with them, so a later write to the same columns is fine.
+    bt = BlockTables([4], 2, 8, 16, DEV)
+    bt.append_block_ids(0, ([1, 2],), overwrite=True)
+    table = bt.block_tables[0]
+    assert table.overlaps_staged(0, 1, 2) == (0, 2) and table.overlaps_staged(1, 0, 2) is None
+    getattr(table, {"clear": "clear_staged_writes", "apply_write": "apply_write",
+                    "pop": "pop_staged_writes"}[forget])()
+    assert table.overlaps_staged(0, 0, 2) is None
+    bt.append_block_ids(0, ([3],), overwrite=True)               # refused before the fix
+    with pytest.raises(ValueError, match="overlap"):
+        bt.append_block_ids(0, ([4],), overwrite=True)           # still refused: staged since
+    bt.apply_staged_writes()
+    assert tables(bt)[0][0, 0] == 3 and bt.num_blocks.np[0, 0] == 1
+
+
 def test_appends_right_up_to_the_width_are_fine():
     bt = make()
     bt.append_block_ids(0, (list(range(1, 14)), list(range(1, 8))), overwrite=True)
@@ -572,3 +591,125 @@ def test_fast_kernels_replay_from_a_cuda_graph():
         counts = bt.num_blocks.np[0, host(idx)]
         assert [int(replayed[0][b, n - 1]) for b, n in enumerate(counts)] == [
             500 + 10 * step + int(r) for r in host(idx)]
+
+
+# ---- Ours: the fused gather + slots, the split apply ----------------------------------------
+
+@pytest.mark.parametrize("padded", [None, 4])
+def test_fused_gather_and_slots_equal_the_two_calls(padded, monkeypatch):
+    fused = CountingKernel(v2bt._gather_and_slots_fast_kernel)
+    monkeypatch.setattr(v2bt, "_gather_and_slots_fast_kernel", fused)
+    bt = filled("fast")
+    idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
+    tables_out, slots = bt.gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=padded)
+    assert fused.launches == 1
+    got = [host(t).copy() for t in bt.input_block_tables] + [host(bt.slot_mappings).copy()]
+    assert [tuple(t.shape) for t in tables_out] == [(padded or 3, 13), (padded or 3, 7)]
+    assert tuple(slots.shape) == (2, 5)
+    for impl in IMPLS:
+        for t in bt.input_block_tables:
+            t.fill_(-7)
+        bt.slot_mappings.fill_(-9)
+        bt.gather_block_tables(idx, padded, impl=impl)
+        bt.compute_slot_mappings(qsl, pos, impl=impl)
+        want = [host(t) for t in bt.input_block_tables] + [host(bt.slot_mappings)]
+        # Columns past a row's count are stale (-7 here, whatever the fused call left there).
+        for g, (a, b) in enumerate(zip(got[:2], want[:2])):
+            counts = bt.num_blocks.np[g, host(idx)]
+            for r, n in enumerate(counts):
+                assert a[r, :n].tolist() == b[r, :n].tolist()
+            if padded:
+                assert (a[3:padded] == 0).all() and (b[3:padded] == 0).all()
+        assert np.array_equal(got[2], want[2])
+
+
+def test_fused_gather_and_slots_check_their_inputs():
+    bt = filled("fast")
+    with pytest.raises(IndexError):
+        bt.gather_and_compute_slot_mappings(i32([3, 9]), i32([0, 1, 2]), i64([0, 1]))
+    with pytest.raises(ValueError, match="entries"):
+        bt.gather_and_compute_slot_mappings(i32([3]), i32([0, 1, 2]), i64([0, 1]))
+
+
+def test_split_apply_can_be_launched_again():
+    # pack_staged_writes (host) + launch_staged_writes (device) = apply_staged_writes; a
+    # second launch of the same pack writes the same ids again (what the benchmark times).
+    bt = filled("fast")
+    bt.append_block_ids(2, ([77], [78]), overwrite=False)
+    bt.num_blocks.copy_to_uva()
+    packed = bt.pack_staged_writes()
+    assert packed[1] == 2 and bt.block_tables[0].num_staged_writes == 0
+    bt.launch_staged_writes(packed)
+    assert tables(bt)[0][2, 3] == 77 and tables(bt)[1][2, 2] == 78
+    bt.block_tables[0].gpu[2, 3] = 0
+    bt.launch_staged_writes(packed)
+    assert tables(bt)[0][2, 3] == 77
+    assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
+
+
+@pytest.mark.cuda
+def test_fast_apply_replays_from_a_cuda_graph():
+    # A captured launch_staged_writes reads the write count from its buffer: replays apply
+    # each step's writes, however many, as long as the graph's pool buffer is the one packed.
+    bt = filled("fast")
+    bt.num_blocks.copy_to_uva()
+    packed = bt.pack_staged_writes()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bt.launch_staged_writes(packed)
+    for step in range(3):
+        for req in range(step + 1):
+            bt.append_block_ids(req, ([900 + 10 * step + req], []), overwrite=False)
+        bt.num_blocks.copy_to_uva()
+        pool = bt._write_pool
+        pool._curr = (pool._curr - 1) % pool.max_concurrency      # refill the captured buffer
+        again = bt.pack_staged_writes()
+        assert again[0].data_ptr() == packed[0].data_ptr() and again[1] == step + 1
+        graph.replay()
+        torch.cuda.synchronize()
+        for req in range(step + 1):
+            n = bt.num_blocks.np[0, req]
+            assert tables(bt)[0][req, n - 1] == 900 + 10 * step + req
+        assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
+
+
+def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(monkeypatch):
+    # Under capture the grid covers the most writes that can be staged and the kernel reads
+    # the count from the buffer (COUNT_FIRST); the interpreter can run that launch too.
+    apply = CountingKernel(v2bt._apply_block_table_writes_kernel)
+    monkeypatch.setattr(v2bt, "_apply_block_table_writes_kernel", apply)
+    monkeypatch.setattr(v2bt, "_capturing", lambda device: True)
+    bt = filled("fast")
+    bt.append_block_ids(1, ([41], [42]), overwrite=False)
+    bt.append_block_ids(3, ([43], []), overwrite=False)
+    before = [t.copy() for t in tables(bt)]
+    bt.apply_staged_writes()
+    assert apply.grids[-1] == (cdiv(2 * MAX_REQS, bt.write_rows) + 1,)
+    after = tables(bt)
+    assert after[0][1, 2] == 41 and after[1][1, 1] == 42 and after[0][3, 4] == 43
+    after[0][1, 2] = after[1][1, 1] = after[0][3, 4] = 0
+    assert all(np.array_equal(a, b) for a, b in zip(after, before))
+    assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
+
+
+@pytest.mark.parametrize("capture_grid", [False, True])
+def test_single_launch_step_equals_apply_then_fused(capture_grid, monkeypatch):
+    if capture_grid:      # the grid and COUNT_FIRST a CUDA-graph capture would use
+        monkeypatch.setattr(v2bt, "_capturing", lambda device: True)
+    kernel = CountingKernel(v2bt._whole_step_fast_kernel)
+    monkeypatch.setattr(v2bt, "_whole_step_fast_kernel", kernel)
+    a, b = filled("fast"), filled("fast")
+    idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
+    for step in range(2):
+        for bt in (a, b):
+            bt.append_block_ids(1, ([60 + step], [70 + step]), overwrite=False)
+            bt.append_block_ids(3, ([80 + step], []), overwrite=False)
+        a.apply_staged_writes()
+        a.gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=4)
+        b.apply_gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=4)
+        assert kernel.launches == step + 1
+        for x, y in zip(tables(a) + [host(t) for t in a.input_block_tables] + [host(a.slot_mappings)],
+                        tables(b) + [host(t) for t in b.input_block_tables] + [host(b.slot_mappings)]):
+            assert np.array_equal(x, y)
+        assert host(b._step_sync).tolist() == [0, 0]
+        assert host(b._num_blocks_device).tolist() == b.num_blocks.np.tolist()

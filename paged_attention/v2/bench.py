@@ -95,6 +95,43 @@ def hot_us(fn: Callable[[], object], k: int = 20) -> float:
     return gpu_us(graph.replay) / k
 
 
+def queued_us(fn: Callable[[], object], reps: int = 100, head_start_cycles: int = 2_000_000) -> float:
+    """Median GPU microseconds per call with the host's launch work hidden: as ``gpu_us`` (L2
+    flushed before every call), but the GPU first sleeps ``head_start_cycles`` (about a
+    millisecond), so that every launch of ``fn`` is queued before the GPU reaches it. What the
+    launches cost the GPU back to back on a stream (gaps between kernels included), whatever
+    Python spends issuing them. ``gpu_us`` measures the same unless the host needs longer to
+    issue ``fn`` than the GPU needs for the flush (then the GPU waits inside the timed span)."""
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        cache.zero_()
+        torch.cuda._sleep(head_start_cycles)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return 1000.0 * float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends)]))
+
+
+def host_us(fn: Callable[[], object], n: int = 200) -> float:
+    """Host microseconds per call of ``fn`` (issuing its launches, checks included), with the GPU
+    kept busy so that nothing waits on it."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)            # the GPU is busy all along: launches never block
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
 def launch_floor_us() -> dict[str, float]:
     """The same three measures for a Triton kernel that stores one number: what any kernel costs."""
     import triton
@@ -131,21 +168,93 @@ def v2_device_step(bt: BlockTables, batch: Batch, impl: str, via_idx: bool = Fal
     return run
 
 
-def v2_full_step(bt: BlockTables, batch: Batch, impl: str, appends_per_step: Sequence[int]) -> Callable[[int], object]:
-    """A whole v2 step, host work included: ``appends_per_step[g]`` requests get one new block in
-    group g (rotating over the requests), staged writes applied, gather, slot mappings."""
+def v2_fused_device_step(bt: BlockTables, batch: Batch) -> Callable[[], object]:
+    """Ours, gather and slot mappings in one launch (no checks: timed)."""
+    def run():
+        bt.gather_and_compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, batch.positions,
+                                            check=False)
+    return run
+
+
+def stage_appends(bt: BlockTables, batch: Batch, appends_per_step: Sequence[int], i: int = 0) -> None:
+    """Step ``i``'s staging: ``appends_per_step[g]`` requests get one new block in group g
+    (rotating over the requests)."""
     num_reqs = batch.idx_mapping.shape[0]
     groups = bt.num_kv_cache_groups
     most = max(appends_per_step)
+    for k in range(most):
+        req = (i * most + k) % num_reqs
+        ids = tuple([1000 + k] if k < appends_per_step[g] else [] for g in range(groups))
+        bt.append_block_ids(req, ids, overwrite=False)
 
+
+def v2_whole_device_path(bt: BlockTables, batch: Batch, impl: str, appends_per_step: Sequence[int],
+                         fused: bool = False) -> Callable[[], object]:
+    """The whole per-step device path of v2 (the issue's measure): applying the staged writes
+    of every group, the gather, the slot mappings; the launches only.
+
+    One step's writes (``appends_per_step[g]`` new ids in group g) are staged and prepared on
+    the host *once*, here; every call of the returned function then launches everything a step
+    launches, and so re-applies those writes (the same ids to the same cells: the same device
+    work as a fresh step's). Host staging is left out (``v2_full_step`` times it):
+
+    * ``"seed"``: per group, the values' host-to-device copy and the write kernel; then the
+      gather and the slot mapping (6 operations on the stream for two groups);
+    * ``"fast"``: one launch for all groups' writes (and the counts' copy), then the gather and
+      the slot mapping (3 launches), or with ``fused`` the gather and the slots in one (2).
+
+    Captured in a CUDA graph (``graph_us``), the fast apply's launch covers the most writes that
+    can be staged and reads the count from its UVA buffer, as ``launch_staged_writes`` documents:
+    a graph that real steps could replay, one per pool buffer."""
+    stage_appends(bt, batch, appends_per_step)
+    bt.num_blocks.copy_to_uva()
+    if impl == "seed":
+        prepared = [(t, t.prepare_write()) for t in bt.block_tables]
+        prepared = [(t, p) for t, p in prepared if p is not None]
+
+        def apply():
+            for table, p in prepared:
+                table.launch_write(p)
+    else:
+        packed = bt.pack_staged_writes()
+
+        def apply():
+            bt.launch_staged_writes(packed)
+    rest = v2_fused_device_step(bt, batch) if fused else v2_device_step(bt, batch, impl)
+
+    def run():
+        apply()
+        rest()
+    return run
+
+
+def v2_single_launch_path(bt: BlockTables, batch: Batch, appends_per_step: Sequence[int]) -> Callable[[], object]:
+    """``v2_whole_device_path`` for ours in one launch (``apply_gather_and_compute_slot_mappings``,
+    experimental): one step's writes packed once, every call applies them, gathers and maps."""
+    stage_appends(bt, batch, appends_per_step)
+    bt.num_blocks.copy_to_uva()
+    packed = bt.pack_staged_writes()
+
+    def run():
+        bt.apply_gather_and_compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, batch.positions,
+                                                  packed=packed, check=False)
+    return run
+
+
+def v2_full_step(bt: BlockTables, batch: Batch, impl: str, appends_per_step: Sequence[int],
+                 fused: bool = False) -> Callable[[int], object]:
+    """A whole v2 step, host work included: ``appends_per_step[g]`` requests get one new block in
+    group g (rotating over the requests), staged writes applied, gather, slot mappings (with
+    ``fused``, ours in one launch)."""
     def step(i: int):
-        for k in range(most):
-            req = (i * most + k) % num_reqs
-            ids = tuple([1000 + k] if k < appends_per_step[g] else [] for g in range(groups))
-            bt.append_block_ids(req, ids, overwrite=False)
+        stage_appends(bt, batch, appends_per_step, i)
         bt.apply_staged_writes(impl=impl)
-        bt.gather_block_tables(batch.idx_mapping, impl=impl, check=False)
-        bt.compute_slot_mappings(batch.query_start_loc, batch.positions, impl=impl, check=False)
+        if fused:
+            bt.gather_and_compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, batch.positions,
+                                                check=False)
+        else:
+            bt.gather_block_tables(batch.idx_mapping, impl=impl, check=False)
+            bt.compute_slot_mappings(batch.query_start_loc, batch.positions, impl=impl, check=False)
     return step
 
 
@@ -186,6 +295,11 @@ def same_results(bt: BlockTables, batch: Batch) -> bool:
                                          idx_mapping=batch.idx_mapping if via_idx else None).clone()
         outs.append((tables, bt.slot_mappings.clone()))
         del slots
+    bt.get_dummy_slot_mappings(0)
+    for t in bt.input_block_tables:
+        t.fill_(-7)
+    tables, _ = bt.gather_and_compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, batch.positions)
+    outs.append(([t.clone() for t in tables], bt.slot_mappings.clone()))
     first = outs[0]
     if not np.array_equal(first[1].cpu().numpy(), expected_slots(bt, batch)):
         return False

@@ -41,7 +41,17 @@ Two implementations of each kernel, selected with ``impl=`` (constructor or per 
   with a short chain of dependent memory loads, not 2049 programs.
 
 These kernels are latency-bound (a few KB to a few MB of data): what they cost is launches and
-chains of loads that wait on memory, which is what the fast versions cut.
+chains of loads that wait on memory, which is what the fast versions cut. Ours also offers, with
+the same results:
+
+* ``gather_and_compute_slot_mappings``: the gather and the slot mapping in **one** launch (the
+  slots read the persistent tables through ``idx_mapping``, so the two halves are independent);
+  a step is then two launches: ``apply_staged_writes`` and this;
+* ``pack_staged_writes`` / ``launch_staged_writes``: the fast apply's host half (pack every
+  group's writes and the counts into one UVA buffer, at fixed offsets, the write count inside)
+  and device half; the device half can be captured in a CUDA graph (one graph per pool buffer);
+* ``apply_gather_and_compute_slot_mappings`` (experimental): the whole step in one launch, the
+  table readers spinning on a counter until the write programs have signalled.
 
 Both give the same results (the tests check them against each other, against v1 and against a
 numpy model). Where the seed has a bug the spec records, both do the sane thing:
@@ -157,9 +167,6 @@ class BlockTables:
                                          device=self._device)
         self.init_block_table_layout_tensors()
 
-        # Ours: the ranges staged since the last apply, per (group, request state), to refuse
-        # overlapping writes (whose result the unordered kernel leaves undefined).
-        self._staged_ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
         # Ours: how many real rows the last gather wrote (compute_slot_mappings without
         # idx_mapping reads them).
         self._num_gathered_reqs = 0
@@ -173,6 +180,13 @@ class BlockTables:
         self._num_blocks_device = torch.zeros(self.num_kv_cache_groups, max_num_reqs, dtype=torch.int32,
                                               device=self._device)
         self._num_blocks_device_source: Optional[torch.Tensor] = None
+        # Ours: the two counters of the single-launch step (writers arrived, programs done),
+        # zero between launches.
+        self._step_sync = torch.zeros(2, dtype=torch.int32, device=self._device)
+        # The token-parallel slot kernel's binary search: enough halvings of [0, max_num_reqs],
+        # and a power of two covering query_start_loc (computed once: host time per call counts).
+        self._search_steps = max(1, max_num_reqs.bit_length())
+        self._qsl_block = next_power_of_2(max_num_reqs + 1)
         # Launch shapes of the fast kernels: big tiles on the interpreter (it pays per program
         # and per operation, hardly per element), small ones on a GPU (more programs in flight).
         if self._device.type == "cuda":
@@ -236,12 +250,13 @@ class BlockTables:
                     f"but its table has {width} columns: cdiv(max_model_len={self.max_model_len}, "
                     f"block_size={self.block_sizes[g]}); that is past max_model_len")
             if values:
-                for s, e in self._staged_ranges.get((g, req), ()):
-                    if start < e and s < end:
-                        raise ValueError(
-                            f"columns {start}..{end - 1} of request state {req} in group {g} overlap "
-                            f"columns {s}..{e - 1} staged earlier in this step; staged writes are "
-                            f"unordered, so call apply_staged_writes() in between")
+                earlier = table.overlaps_staged(req, start, end)
+                if earlier is not None:
+                    s, e = earlier
+                    raise ValueError(
+                        f"columns {start}..{end - 1} of request state {req} in group {g} overlap "
+                        f"columns {s}..{e - 1} staged earlier in this step; staged writes are "
+                        f"unordered, so call apply_staged_writes() in between")
                 if table.num_staged_writes >= table.num_rows:
                     raise ValueError(f"group {g} has {table.num_rows} staged writes already (max_num_reqs): "
                                      f"call apply_staged_writes() first")
@@ -250,7 +265,6 @@ class BlockTables:
         for g, (start, values) in enumerate(plans):
             if values:
                 self.block_tables[g]._stage(req, start, values)
-                self._staged_ranges.setdefault((g, req), []).append((start, start + len(values)))
             self.num_blocks.np[g, req] = start + len(values)
 
     # ---- 2. Applying ----------------------------------------------------------------------------
@@ -270,12 +284,26 @@ class BlockTables:
         else:
             self.num_blocks.copy_to_uva()
             self._apply_all_writes()
-        self._staged_ranges.clear()
 
     def _apply_all_writes(self) -> None:
-        """Every group's staged writes, packed into one host buffer the kernel reads via UVA,
-        and the counts (just published in ``num_blocks.gpu``) copied to device memory: one
-        launch."""
+        """Every group's staged writes and the just-published counts, packed into one host
+        buffer the kernel reads via UVA (``pack_staged_writes``), then one launch
+        (``launch_staged_writes``)."""
+        self.launch_staged_writes(self.pack_staged_writes())
+
+    def pack_staged_writes(self) -> tuple[torch.Tensor, int]:
+        """The host half of the fast ``apply_staged_writes`` (ours): pop every group's staged
+        writes and pack them, with the counts in ``num_blocks.np``, into the next buffer of a
+        UVA pool; return ``(buffer, num_writes)`` for ``launch_staged_writes``. Call
+        ``num_blocks.copy_to_uva()`` first (``apply_staged_writes`` does).
+
+        The buffer is int32, laid out at fixed offsets (``W = num_groups * max_num_reqs``, the
+        most writes that can be staged; ``C`` the counts):
+        ``[num_writes | groups (W) | rows (W) | starts (W) | ends (W) | counts (C) | values]``;
+        write k's values are ``values[ends[k-1] : ends[k]]``. The write count is *in* the buffer
+        and the offsets do not depend on it, so the kernel needs no per-step argument: a launch
+        captured in a CUDA graph applies whatever the buffer holds at replay (see
+        ``launch_staged_writes``)."""
         groups: list[int] = []
         rows: list[int] = []
         starts: list[int] = []
@@ -291,24 +319,51 @@ class BlockTables:
             starts += table_starts
             ends += [base + c for c in cu_lens] if base else cu_lens
             contents += table_contents
-        num_writes = len(rows)
-        if num_writes:
-            # One int32 buffer: [groups | rows | starts | ends | contents], the first four
-            # num_writes long each; write k's values are contents[ends[k-1] : ends[k]].
-            packed = groups + rows + starts + ends + contents
-            packed_uva = self._packed_write_pool(len(packed)).copy_to_uva(packed)
-        else:
-            packed_uva = self._num_blocks_device      # not read: no write programs
-        counts = self.num_blocks.gpu
-        self._num_blocks_device_source = counts
-        num_counts = counts.numel()
-        num_write_programs = cdiv(num_writes, self.write_rows)
+        n = len(rows)
+        w, c = self._max_writes, self.num_blocks.np.size
+        values_at = 1 + 4 * w + c
+        buf = self._packed_write_pool(values_at + len(contents)).next_buffer()
+        packed = buf.np
+        packed[0] = n
+        if n:
+            packed[1:1 + n] = groups
+            packed[1 + w:1 + w + n] = rows
+            packed[1 + 2 * w:1 + 2 * w + n] = starts
+            packed[1 + 3 * w:1 + 3 * w + n] = ends
+            packed[values_at:values_at + len(contents)] = contents
+        packed[1 + 4 * w:values_at] = self.num_blocks.np.reshape(-1)
+        # The fast gather may read the device copy of the counts while num_blocks.gpu is the
+        # buffer published with them (a later copy_to_uva re-binds .gpu).
+        self._num_blocks_device_source = self.num_blocks.gpu
+        return buf.uva, n
+
+    def launch_staged_writes(self, packed: tuple[torch.Tensor, int]) -> None:
+        """The device half of the fast ``apply_staged_writes`` (ours): one launch that applies
+        the writes packed by ``pack_staged_writes`` and copies the counts to device memory.
+
+        Eagerly the grid has just enough write programs for ``num_writes``. While a CUDA graph
+        is being captured it has enough for the most writes that can be staged, and each program
+        reads the write count from the buffer, so a replay applies the step's writes, whatever
+        their number. The graph holds the buffer's address, and the pool rotates between
+        buffers (double buffering): capture one graph per pool buffer (``max_concurrency``, 2)
+        and replay the one ``pack_staged_writes`` just filled. A pool that has to grow (a step
+        staging more values than it holds) moves, and the graphs must then be captured again."""
+        buf, n = packed
+        num_counts = self.num_blocks.np.size
+        capturing = _capturing(self._device)
+        num_write_programs = cdiv(self._max_writes if capturing else n, self.write_rows)
         grid = (num_write_programs + cdiv(num_counts, self.counts_block),)
         _apply_block_table_writes_kernel[grid](
-            packed_uva, num_writes, self.block_table_ptrs, self.block_table_strides,
-            counts, self._num_blocks_device, num_counts, num_write_programs,
+            buf, self._max_writes, self.block_table_ptrs, self.block_table_strides,
+            self._num_blocks_device, num_counts, num_write_programs,
             WRITES_PER_PROGRAM=self.write_rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block,
+            COUNT_FIRST=capturing,
         )
+
+    @property
+    def _max_writes(self) -> int:
+        # At most max_num_reqs writes per table between applies (StagedWriteTensor's limit).
+        return self.num_kv_cache_groups * self.max_num_reqs
 
     def _packed_write_pool(self, length: int) -> UvaBufferPool:
         pool = self._write_pool
@@ -316,8 +371,9 @@ class BlockTables:
             if pool is not None and self._device.type == "cuda":
                 # Kernels may still read the old buffers: wait for them before they are freed.
                 torch.cuda.synchronize(self._device)
-            capacity = max(length, 2 * (pool.size[0] if pool else 0),
-                           4 * self.num_kv_cache_groups * self.max_num_reqs + 4096)
+            fixed = 1 + 5 * self._max_writes
+            capacity = max(length, 2 * (pool.size[0] if pool else 0) - fixed,
+                           fixed + 4 * self._max_writes + 4096)
             pool = self._write_pool = UvaBufferPool(capacity, torch.int32)
         return pool
 
@@ -425,10 +481,113 @@ class BlockTables:
                 ptrs, self.block_table_strides, self.block_sizes_tensor,
                 self.slot_mappings, self.slot_mappings.stride(0),
                 PAD_ID=PAD_SLOT_ID, HAS_IDX_MAPPING=has_idx, NUM_GROUPS=self.num_kv_cache_groups,
-                SEARCH_STEPS=max(1, self.max_num_reqs.bit_length()),
-                QSL_BLOCK=next_power_of_2(self.max_num_reqs + 1), BLOCK_TOKENS=self.slot_block_tokens,
+                SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens,
             )
         return self.slot_mappings[:, :num_tokens_padded]
+
+    def gather_and_compute_slot_mappings(
+            self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor, *,
+            num_reqs_padded: Optional[int] = None, num_tokens_padded: Optional[int] = None,
+            check: bool = True) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Ours: ``gather_block_tables(idx_mapping, num_reqs_padded)`` and
+        ``compute_slot_mappings(query_start_loc, positions, idx_mapping=idx_mapping)`` in **one**
+        launch (the fast kernels only); returns both results, which are the same as the two
+        calls'. The two halves are independent (the slots come from the persistent tables, through
+        ``idx_mapping``), so their programs run side by side: one launch and one kernel's latency
+        per step instead of two. The same checks as the two calls (``check=False`` skips the
+        value checks that read tensors on the host)."""
+        num_reqs, num_tokens = self._check_slot_inputs(query_start_loc, positions)
+        n = self._check_idx_mapping(idx_mapping, check)
+        if n != num_reqs:
+            raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
+        if num_reqs_padded is None:
+            num_reqs_padded = num_reqs
+        num_reqs_padded = _check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
+        if num_reqs_padded > self.max_num_reqs:
+            raise ValueError(f"num_reqs_padded={num_reqs_padded} is more than max_num_reqs={self.max_num_reqs}")
+        if num_tokens_padded is None:
+            num_tokens_padded = num_tokens
+        num_tokens_padded = _check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
+                                         "max_num_batched_tokens")
+        if check and not _capturing(self._device):
+            self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, True)
+        num_blocks = self.num_blocks.gpu
+        if self._num_blocks_device_source is num_blocks:
+            num_blocks = self._num_blocks_device     # same contents, in device memory
+        num_slot_programs = cdiv(self.max_num_batched_tokens, self.slot_block_tokens)
+        gather_tiles = cdiv(num_reqs_padded, self.gather_rows)
+        grid = (num_slot_programs + gather_tiles * self.num_kv_cache_groups,)
+        _gather_and_slots_fast_kernel[grid](
+            idx_mapping, self.block_table_ptrs, self.input_block_table_ptrs, self.block_table_strides,
+            num_blocks, num_blocks.stride(0), num_reqs, num_reqs_padded, self.max_num_reqs,
+            num_tokens, self.max_num_batched_tokens, query_start_loc, positions, self.block_sizes_tensor,
+            self.slot_mappings, self.slot_mappings.stride(0), num_slot_programs, max(gather_tiles, 1),
+            PAD_ID=PAD_SLOT_ID, NUM_GROUPS=self.num_kv_cache_groups,
+            SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens,
+            ROWS=self.gather_rows, BLOCK_COLS=self.gather_block_cols,
+        )
+        self._num_gathered_reqs = num_reqs
+        return (tuple(block_table[:num_reqs_padded] for block_table in self.input_block_tables),
+                self.slot_mappings[:, :num_tokens_padded])
+
+    def apply_gather_and_compute_slot_mappings(
+            self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor, *,
+            packed: Optional[tuple[torch.Tensor, int]] = None, num_reqs_padded: Optional[int] = None,
+            num_tokens_padded: Optional[int] = None,
+            check: bool = True) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Ours, experimental: the whole step's device work in **one** launch: the fast
+        ``apply_staged_writes`` (``packed``, from ``pack_staged_writes``; by default the writes
+        staged now are packed here, after ``num_blocks.copy_to_uva()``), then what
+        ``gather_and_compute_slot_mappings`` does. Same results.
+
+        Inside the launch, the programs that read the tables wait (spinning on a counter in
+        device memory) until every write program has signalled. That relies on the write
+        programs, which have the lowest ids, being started before the waiting ones fill the GPU:
+        what GPUs do in practice, though CUDA does not promise it (a grid small enough to be
+        resident all at once, like 1024 requests here, never depends on it). The two-launch path
+        (``apply_staged_writes`` + ``gather_and_compute_slot_mappings``) makes no such
+        assumption. Captured in a CUDA graph, it applies the writes of the packed buffer
+        it was captured with, as ``launch_staged_writes`` explains."""
+        num_reqs, num_tokens = self._check_slot_inputs(query_start_loc, positions)
+        n = self._check_idx_mapping(idx_mapping, check)
+        if n != num_reqs:
+            raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
+        if num_reqs_padded is None:
+            num_reqs_padded = num_reqs
+        num_reqs_padded = _check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
+        if num_reqs_padded > self.max_num_reqs:
+            raise ValueError(f"num_reqs_padded={num_reqs_padded} is more than max_num_reqs={self.max_num_reqs}")
+        if num_tokens_padded is None:
+            num_tokens_padded = num_tokens
+        num_tokens_padded = _check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
+                                         "max_num_batched_tokens")
+        if check and not _capturing(self._device):
+            self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, True)
+        if packed is None:
+            self.num_blocks.copy_to_uva()
+            packed = self.pack_staged_writes()
+        buf, num_writes = packed
+        capturing = _capturing(self._device)
+        num_write_programs = cdiv(self._max_writes if capturing else num_writes, self.write_rows)
+        num_counts = self.num_blocks.np.size
+        num_slot_programs = cdiv(self.max_num_batched_tokens, self.slot_block_tokens)
+        gather_tiles = cdiv(num_reqs_padded, self.gather_rows)
+        grid = (num_write_programs + cdiv(num_counts, self.counts_block) + num_slot_programs
+                + gather_tiles * self.num_kv_cache_groups,)
+        _whole_step_fast_kernel[grid](
+            buf, self._max_writes, self._num_blocks_device, num_counts, self._step_sync,
+            idx_mapping, self.block_table_ptrs, self.input_block_table_ptrs, self.block_table_strides,
+            num_reqs, num_reqs_padded, self.max_num_reqs, num_tokens, self.max_num_batched_tokens,
+            query_start_loc, positions, self.block_sizes_tensor, self.slot_mappings, self.slot_mappings.stride(0),
+            num_write_programs, num_slot_programs, max(gather_tiles, 1),
+            PAD_ID=PAD_SLOT_ID, NUM_GROUPS=self.num_kv_cache_groups, SEARCH_STEPS=self._search_steps,
+            QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens, ROWS=self.gather_rows,
+            BLOCK_COLS=self.gather_block_cols, WRITES_PER_PROGRAM=self.write_rows, WRITE_BLOCK=self.write_block,
+            COUNTS_BLOCK=self.counts_block, COUNT_FIRST=capturing,
+        )
+        self._num_gathered_reqs = num_reqs
+        return (tuple(block_table[:num_reqs_padded] for block_table in self.input_block_tables),
+                self.slot_mappings[:, :num_tokens_padded])
 
     def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
         """Fill **all** of ``slot_mappings`` with ``PAD_SLOT_ID`` and return its first
@@ -571,40 +730,62 @@ def _load_ptr(ptr_to_ptr, elem_dtype):
     return tl.multiple_of(ptr, 16)
 
 
-@triton.jit(do_not_specialize=["num_writes", "num_write_programs"])
+@triton.jit(do_not_specialize=["num_write_programs"])
 def _apply_block_table_writes_kernel(
-    packed_ptr,          # int32 [4 * num_writes + num_values]: groups | rows | starts | ends | values
-    num_writes,
+    packed_ptr,          # int32: num_writes | groups | rows | starts | ends (max_writes each) | counts | values
+    max_writes,          # room for writes in each of the four per-write arrays
     table_ptrs,          # uint64 [num_groups]: each group's persistent table
     table_strides,       # int64 [num_groups]: its row stride (= width)
-    counts_src,          # int32 [num_groups * max_num_reqs]: the published counts (UVA)
-    counts_dst,          # int32 [num_groups * max_num_reqs]: their copy in device memory
+    counts_dst,          # int32 [num_groups * max_num_reqs]: the counts' copy in device memory
     num_counts,
     num_write_programs,  # programs 0 .. num_write_programs-1 write; the rest copy counts
     WRITES_PER_PROGRAM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     COUNTS_BLOCK: tl.constexpr,
+    COUNT_FIRST: tl.constexpr,   # read the write count first (a grid captured for the most writes)
 ):
     # Ours: all groups' staged writes in one launch, WRITES_PER_PROGRAM writes per program, as
     # a [writes, columns] tile: one tile row per write. The last programs copy the counts.
     pid = tl.program_id(0)
     if pid >= num_write_programs:
-        # Counts k .. k + COUNTS_BLOCK - 1 (both tensors are contiguous [groups, max_num_reqs]).
-        k = (pid - num_write_programs) * COUNTS_BLOCK + tl.arange(0, COUNTS_BLOCK)
-        in_range = k < num_counts
-        tl.store(counts_dst + k, tl.load(counts_src + k, mask=in_range), mask=in_range)
+        _copy_counts(pid - num_write_programs, packed_ptr, max_writes, counts_dst, num_counts, COUNTS_BLOCK)
         return
+    _apply_writes_tile(pid, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                       WRITES_PER_PROGRAM, BLOCK_SIZE, COUNT_FIRST)
+
+
+@triton.jit
+def _copy_counts(tile, packed_ptr, max_writes, counts_dst, num_counts, COUNTS_BLOCK: tl.constexpr):
+    # Counts k .. k + COUNTS_BLOCK - 1 (both are [groups, max_num_reqs], contiguous).
+    k = tile * COUNTS_BLOCK + tl.arange(0, COUNTS_BLOCK)
+    in_range = k < num_counts
+    counts_src = packed_ptr + 1 + 4 * max_writes
+    tl.store(counts_dst + k, tl.load(counts_src + k, mask=in_range), mask=in_range)
+
+
+@triton.jit
+def _apply_writes_tile(pid, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                       WRITES_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr, COUNT_FIRST: tl.constexpr):
+    # Writes pid * WRITES_PER_PROGRAM .. + WRITES_PER_PROGRAM - 1 of a packed buffer.
     w = pid * WRITES_PER_PROGRAM + tl.arange(0, WRITES_PER_PROGRAM)
-    valid = w < num_writes
-    # The four per-write arrays sit one after the other, num_writes entries each.
-    group = tl.load(packed_ptr + w, mask=valid, other=0)
-    row = tl.load(packed_ptr + num_writes + w, mask=valid, other=0)
-    start = tl.load(packed_ptr + 2 * num_writes + w, mask=valid, other=0)
-    end = tl.load(packed_ptr + 3 * num_writes + w, mask=valid, other=0)
+    room = w < max_writes
+    num_writes = tl.load(packed_ptr)
+    if COUNT_FIRST:
+        # A grid captured for the most writes: read the count first, so that programs with no
+        # write read no host memory (their loads below are all masked off).
+        room = room & (w < num_writes)
+    # Eagerly the grid fits the count, and the loads below do not wait for it (the offsets are
+    # fixed), so all of them travel over the bus together; entries past the count are masked
+    # off afterwards.
+    group = tl.load(packed_ptr + 1 + w, mask=room, other=0)
+    row = tl.load(packed_ptr + 1 + max_writes + w, mask=room, other=0)
+    start = tl.load(packed_ptr + 1 + 2 * max_writes + w, mask=room, other=0)
+    end = tl.load(packed_ptr + 1 + 3 * max_writes + w, mask=room, other=0)
     # Write w's values are values[ends[w-1] : ends[w]] (the first write's begin at 0).
-    begin = tl.load(packed_ptr + 3 * num_writes + w - 1, mask=valid & (w > 0), other=0)
+    begin = tl.load(packed_ptr + 1 + 3 * max_writes + w - 1, mask=room & (w > 0), other=0)
+    valid = room & (w < num_writes)
     length = tl.where(valid, end - begin, 0)
-    values_ptr = packed_ptr + 4 * num_writes
+    values_ptr = packed_ptr + 1 + 4 * max_writes + num_counts
     # Each write's group gives its table (a vector of pointers) and row stride.
     table = tl.cast(tl.load(table_ptrs + group, mask=valid, other=0), tl.pointer_type(tl.int32))
     stride = tl.load(table_strides + group, mask=valid, other=0)
@@ -615,6 +796,17 @@ def _apply_block_table_writes_kernel(
         mask = cols[None, :] < length[:, None]
         ids = tl.load(values_ptr + begin[:, None] + cols[None, :], mask=mask)
         tl.store(dst[:, None] + cols[None, :], ids, mask=mask)
+
+
+@triton.jit
+def _wait_for_writes(sync_ptr, num_writers):
+    # Ours (single launch): spin until the num_writers write programs of this launch have
+    # signalled (each adds 1 after its stores, with release semantics); acquire, so their
+    # stores are visible to this program's loads after the wait.
+    arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    while arrived < num_writers:
+        arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -657,7 +849,7 @@ def _gather_block_tables_fast_kernel(
     src_block_table_ptrs,     # uint64 [num_groups]: persistent tables
     dst_block_table_ptrs,     # uint64 [num_groups]: input tables
     block_table_strides,      # int64 [num_groups]: row stride (= width)
-    num_blocks_ptr,           # int32 [num_groups, max_num_reqs] (UVA)
+    num_blocks_ptr,           # int32 [num_groups, max_num_reqs] (UVA, or its device copy)
     num_blocks_stride,
     num_reqs,
     num_reqs_padded,
@@ -666,8 +858,18 @@ def _gather_block_tables_fast_kernel(
     BLOCK_COLS: tl.constexpr,
 ):
     # Ours: ROWS batch rows of one group per program, copied as [ROWS, BLOCK_COLS] tiles.
-    group_id = tl.program_id(1)
-    b = tl.program_id(0) * ROWS + tl.arange(0, ROWS)          # this program's batch rows
+    _gather_rows_fast(tl.program_id(0), tl.program_id(1), idx_mapping, src_block_table_ptrs,
+                      dst_block_table_ptrs, block_table_strides, num_blocks_ptr, num_blocks_stride,
+                      num_reqs, num_reqs_padded, max_num_reqs, idx_mapping, 0, ROWS, BLOCK_COLS, False)
+
+
+@triton.jit
+def _gather_rows_fast(row_tile, group_id, idx_mapping, src_block_table_ptrs, dst_block_table_ptrs,
+                      block_table_strides, num_blocks_ptr, num_blocks_stride, num_reqs, num_reqs_padded,
+                      max_num_reqs, sync_ptr, num_writers, ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                      WAIT: tl.constexpr):
+    # Batch rows row_tile * ROWS .. + ROWS - 1 of group group_id.
+    b = row_tile * ROWS + tl.arange(0, ROWS)                  # this program's batch rows
     real = b < num_reqs
     padded = (b >= num_reqs) & (b < num_reqs_padded)
     stride = tl.load(block_table_strides + group_id)          # also the table's width
@@ -681,6 +883,8 @@ def _gather_block_tables_fast_kernel(
     ncols = tl.where(real, n, tl.where(padded, stride, 0))
     src_row = _load_ptr(src_block_table_ptrs + group_id, tl.int32) + req.to(tl.int64) * stride
     dst_row = _load_ptr(dst_block_table_ptrs + group_id, tl.int32) + b.to(tl.int64) * stride
+    if WAIT:
+        _wait_for_writes(sync_ptr, num_writers)      # single launch: the tables are being written
     for c in range(0, tl.max(ncols, axis=0), BLOCK_COLS):
         cols = c + tl.arange(0, BLOCK_COLS)
         mask = cols[None, :] < ncols[:, None]
@@ -761,10 +965,23 @@ def _compute_slot_mappings_fast_kernel(
     QSL_BLOCK: tl.constexpr,      # a power of two > max_num_reqs
     BLOCK_TOKENS: tl.constexpr,
 ):
+    # Ours: token-parallel (see _slot_tile_fast).
+    _slot_tile_fast(tl.program_id(0), num_reqs, num_positions, max_num_tokens, max_num_reqs, idx_mapping,
+                    cu_num_tokens, pos, block_table_ptrs, block_table_strides, page_sizes, slot_mappings_ptr,
+                    slot_mappings_stride, idx_mapping, 0, PAD_ID, HAS_IDX_MAPPING, NUM_GROUPS, SEARCH_STEPS,
+                    QSL_BLOCK, BLOCK_TOKENS, False)
+
+
+@triton.jit
+def _slot_tile_fast(tile, num_reqs, num_positions, max_num_tokens, max_num_reqs, idx_mapping, cu_num_tokens,
+                    pos, block_table_ptrs, block_table_strides, page_sizes, slot_mappings_ptr,
+                    slot_mappings_stride, sync_ptr, num_writers, PAD_ID: tl.constexpr,
+                    HAS_IDX_MAPPING: tl.constexpr, NUM_GROUPS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                    QSL_BLOCK: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WAIT: tl.constexpr):
     # Ours: token-parallel. Each program takes BLOCK_TOKENS slots of the mapping (real tokens
     # and padding alike), finds each token's request, and writes every group's slot. The kernel
     # is a chain of dependent loads, so what matters is how many of them wait on memory.
-    t = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    t = tile * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     in_buffer = t < max_num_tokens
     # Loads that depend on nothing else go first, so their latencies overlap: the positions...
     positions = tl.load(pos + t, mask=t < num_positions, other=0)
@@ -798,6 +1015,8 @@ def _compute_slot_mappings_fast_kernel(
     # Never leave the tables, even when the Python checks were skipped.
     real_row = real & (row >= 0) & (row < max_num_reqs)
 
+    if WAIT:
+        _wait_for_writes(sync_ptr, num_writers)      # single launch: the tables are being written
     for g in tl.static_range(NUM_GROUPS):
         table = _load_ptr(block_table_ptrs + g, tl.int32)
         stride = tl.load(block_table_strides + g)
@@ -808,3 +1027,117 @@ def _compute_slot_mappings_fast_kernel(
         slot_ids = block_numbers.to(tl.int64) * page_size + positions % page_size
         slot_ids = tl.where(real, slot_ids, PAD_ID)             # padding tokens: PAD_SLOT_ID
         tl.store(slot_mappings_ptr + g * slot_mappings_stride + t, slot_ids, mask=in_buffer)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_reqs_padded", "num_positions", "num_slot_programs",
+                               "gather_tiles"])
+def _gather_and_slots_fast_kernel(
+    idx_mapping,              # [num_reqs]: the request state of each batch position
+    src_block_table_ptrs,     # uint64 [num_groups]: persistent tables
+    dst_block_table_ptrs,     # uint64 [num_groups]: input tables
+    block_table_strides,      # int64 [num_groups]
+    num_blocks_ptr,           # int32 [num_groups, max_num_reqs]
+    num_blocks_stride,
+    num_reqs,
+    num_reqs_padded,
+    max_num_reqs,
+    num_positions,
+    max_num_tokens,
+    cu_num_tokens,            # [num_reqs + 1] query_start_loc
+    pos,                      # [num_positions]
+    page_sizes,               # int32 [num_groups]
+    slot_mappings_ptr,        # int64 [num_groups, max_num_tokens]
+    slot_mappings_stride,
+    num_slot_programs,        # programs 0 .. num_slot_programs-1 compute slots, the rest gather
+    gather_tiles,             # gather programs per group
+    PAD_ID: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    QSL_BLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    # Ours: the gather and the slot mapping in one launch. They are independent: the slots are
+    # read from the persistent tables through idx_mapping, not from the gathered ones, so no
+    # program waits for another. Slot programs first: theirs is the longer chain of loads.
+    pid = tl.program_id(0)
+    if pid < num_slot_programs:
+        _slot_tile_fast(pid, num_reqs, num_positions, max_num_tokens, max_num_reqs, idx_mapping, cu_num_tokens,
+                        pos, src_block_table_ptrs, block_table_strides, page_sizes, slot_mappings_ptr,
+                        slot_mappings_stride, idx_mapping, 0, PAD_ID, True, NUM_GROUPS, SEARCH_STEPS, QSL_BLOCK,
+                        BLOCK_TOKENS, False)
+    else:
+        g = pid - num_slot_programs
+        _gather_rows_fast(g % gather_tiles, g // gather_tiles, idx_mapping, src_block_table_ptrs,
+                          dst_block_table_ptrs, block_table_strides, num_blocks_ptr, num_blocks_stride,
+                          num_reqs, num_reqs_padded, max_num_reqs, idx_mapping, 0, ROWS, BLOCK_COLS, False)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_reqs_padded", "num_positions", "num_write_programs",
+                               "num_slot_programs", "gather_tiles"])
+def _whole_step_fast_kernel(
+    packed_ptr,               # the step's packed writes and counts (UVA; see pack_staged_writes)
+    max_writes,
+    counts_dst,               # int32 [num_groups * max_num_reqs]: the counts' copy in device memory
+    num_counts,
+    sync_ptr,                 # int32 [2], zero between launches: writers arrived, programs done
+    idx_mapping,
+    src_block_table_ptrs,
+    dst_block_table_ptrs,
+    block_table_strides,
+    num_reqs,
+    num_reqs_padded,
+    max_num_reqs,
+    num_positions,
+    max_num_tokens,
+    cu_num_tokens,
+    pos,
+    page_sizes,
+    slot_mappings_ptr,
+    slot_mappings_stride,
+    num_write_programs,       # programs: writes | counts | slots | gather
+    num_slot_programs,
+    gather_tiles,
+    PAD_ID: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    QSL_BLOCK: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    WRITES_PER_PROGRAM: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr,
+    COUNTS_BLOCK: tl.constexpr,
+    COUNT_FIRST: tl.constexpr,
+):
+    # Ours, experimental: the whole step in one launch. The write programs (the lowest ids, so
+    # the GPU starts them first) apply the staged writes and signal; the slot and gather
+    # programs do everything that does not read the tables (the binary search, idx_mapping, the
+    # counts, read straight from the packed buffer) and wait for every signal before reading
+    # them. The last program to finish resets the two counters for the next launch.
+    pid = tl.program_id(0)
+    num_count_programs = tl.cdiv(num_counts, COUNTS_BLOCK)
+    if pid < num_write_programs:
+        _apply_writes_tile(pid, packed_ptr, max_writes, src_block_table_ptrs, block_table_strides, num_counts,
+                           WRITES_PER_PROGRAM, WRITE_BLOCK, COUNT_FIRST)
+        tl.debug_barrier()                               # every thread's stores issued...
+        tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")   # ...and visible before the signal
+    elif pid < num_write_programs + num_count_programs:
+        _copy_counts(pid - num_write_programs, packed_ptr, max_writes, counts_dst, num_counts, COUNTS_BLOCK)
+    elif pid < num_write_programs + num_count_programs + num_slot_programs:
+        _slot_tile_fast(pid - num_write_programs - num_count_programs, num_reqs, num_positions, max_num_tokens,
+                        max_num_reqs, idx_mapping, cu_num_tokens, pos, src_block_table_ptrs, block_table_strides,
+                        page_sizes, slot_mappings_ptr, slot_mappings_stride, sync_ptr, num_write_programs,
+                        PAD_ID, True, NUM_GROUPS, SEARCH_STEPS, QSL_BLOCK, BLOCK_TOKENS, True)
+    else:
+        g = pid - num_write_programs - num_count_programs - num_slot_programs
+        _gather_rows_fast(g % gather_tiles, g // gather_tiles, idx_mapping, src_block_table_ptrs,
+                          dst_block_table_ptrs, block_table_strides, packed_ptr + 1 + 4 * max_writes,
+                          max_num_reqs, num_reqs, num_reqs_padded, max_num_reqs, sync_ptr, num_write_programs,
+                          ROWS, BLOCK_COLS, True)
+    done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        # Everyone is past the wait: reset for the next launch (the kernel's end publishes it).
+        tl.store(sync_ptr, 0)
+        tl.store(sync_ptr + 1, 0)

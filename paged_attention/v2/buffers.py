@@ -135,15 +135,6 @@ def async_copy_to_gpu(x: Union[torch.Tensor, np.ndarray], out: Optional[torch.Te
     return out.copy_(x, non_blocking=True)
 
 
-def _pinned_h2d(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A list of numbers as a device tensor: through pinned memory (so the copy is asynchronous)
-    on a GPU, a plain host tensor on the CPU (vLLM's ``async_tensor_h2d``)."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    host = torch.tensor(values, dtype=dtype, device="cpu").pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 # ---- UVA -----------------------------------------------------------------------------------------
 def uva_available() -> bool:
     """Whether real UVA buffers can be made: pinned memory needs a CUDA driver. Without one,
@@ -231,6 +222,12 @@ class UvaBufferPool:
         else:
             buf.np[:n] = x
         return buf.uva[:n]
+
+    def next_buffer(self) -> UvaBuffer:
+        """Move the cursor (as ``copy_to_uva`` does) and return that whole buffer, for a caller
+        that fills it in place through ``.np`` (ours: ``BlockTables`` packs a step into one)."""
+        self._curr = (self._curr + 1) % self.max_concurrency
+        return self._uva_bufs[self._curr]
 
     def copy_to_gpu(self, x: Union[torch.Tensor, np.ndarray, Sequence],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -364,6 +361,10 @@ class StagedWriteTensor:
         self._staged_write_starts: list[int] = []
         self._staged_write_contents: list = []
         self._staged_write_cu_lens: list[int] = []
+        # Ours: the element ranges staged per row, ``{row: [(start, end), ...]}``, so that a
+        # caller can refuse overlapping writes (``overlaps_staged``). It lives with the staged
+        # writes: whatever applies, pops or clears them clears it too.
+        self._staged_ranges: dict[int, list[tuple[int, int]]] = {}
 
         # Where those lists go at apply time: host memory the kernel reads directly.
         self.write_indices = UvaBufferPool(self.num_rows, torch.int32, max_concurrency)
@@ -389,6 +390,15 @@ class StagedWriteTensor:
         self._staged_write_starts.append(start)
         self._staged_write_contents.extend(values)
         self._staged_write_cu_lens.append(len(self._staged_write_contents))
+        self._staged_ranges.setdefault(index, []).append((start, start + len(values)))
+
+    def overlaps_staged(self, index: int, start: int, end: int) -> Optional[tuple[int, int]]:
+        """The first range ``(s, e)`` staged in row ``index`` since the last apply/clear that
+        overlaps elements ``start .. end-1``, or None."""
+        for s, e in self._staged_ranges.get(index, ()):
+            if start < e and s < end:
+                return s, e
+        return None
 
     @property
     def num_staged_writes(self) -> int:
@@ -409,24 +419,45 @@ class StagedWriteTensor:
         self._staged_write_starts = []
         self._staged_write_contents = []
         self._staged_write_cu_lens = []
+        self._staged_ranges = {}
 
     # ---- Applying ------------------------------------------------------------------------------
     def apply_write(self) -> None:
         """Apply every staged write with one kernel launch, then forget them."""
+        prepared = self.prepare_write()
+        if prepared is not None:
+            self.launch_write(prepared)
+
+    def prepare_write(self) -> Optional[tuple]:
+        """The host half of ``apply_write``: copy the staged rows, starts and lengths into the
+        UVA pools and the values into pinned memory, forget the staged writes, and return what
+        ``launch_write`` needs (None if nothing was staged). Split out so that a benchmark can
+        time the device half (``launch_write``, which may be repeated) on its own."""
         n = len(self._staged_write_indices)
         if n == 0:
-            return
+            return None
         # Rows, starts and cumulative lengths: host memory the kernel reads through UVA.
         indices = self.write_indices.copy_to_uva(self._staged_write_indices)
         starts = self.write_starts.copy_to_uva(self._staged_write_starts)
         cu_lens = self.write_cu_lens.copy_to_uva(self._staged_write_cu_lens)
-        # The values themselves: any number of them, so an (asynchronous) copy to the device.
-        contents = _pinned_h2d(self._staged_write_contents, self.dtype, self.device)
+        # The values themselves: any number of them, so an (asynchronous) copy to the device,
+        # from pinned memory (vLLM's async_tensor_h2d); on a CPU-only machine a host tensor.
+        if self.device.type == "cpu":
+            contents_host = torch.tensor(self._staged_write_contents, dtype=self.dtype)
+        else:
+            contents_host = torch.tensor(self._staged_write_contents, dtype=self.dtype).pin_memory()
+        self.clear_staged_writes()
+        return n, indices, starts, cu_lens, contents_host
+
+    def launch_write(self, prepared: tuple) -> None:
+        """The device half of ``apply_write``: the values' host-to-device copy, then the kernel
+        (one program per write)."""
+        n, indices, starts, cu_lens, contents_host = prepared
+        contents = contents_host if self.device.type == "cpu" else contents_host.to(self.device, non_blocking=True)
         _apply_write_kernel[(n,)](
             self.gpu, self.gpu.stride(0), indices, starts, contents, cu_lens,
             BLOCK_SIZE=1024,
         )
-        self.clear_staged_writes()
 
     # ---- Checks --------------------------------------------------------------------------------
     def _check_write(self, index: Any, start: Any, x: Any) -> list:
