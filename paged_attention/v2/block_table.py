@@ -485,17 +485,11 @@ class BlockTables:
             )
         return self.slot_mappings[:, :num_tokens_padded]
 
-    def gather_and_compute_slot_mappings(
-            self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor, *,
-            num_reqs_padded: Optional[int] = None, num_tokens_padded: Optional[int] = None,
-            check: bool = True) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Ours: ``gather_block_tables(idx_mapping, num_reqs_padded)`` and
-        ``compute_slot_mappings(query_start_loc, positions, idx_mapping=idx_mapping)`` in **one**
-        launch (the fast kernels only); returns both results, which are the same as the two
-        calls'. The two halves are independent (the slots come from the persistent tables, through
-        ``idx_mapping``), so their programs run side by side: one launch and one kernel's latency
-        per step instead of two. The same checks as the two calls (``check=False`` skips the
-        value checks that read tensors on the host)."""
+    def _check_fused_inputs(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                            positions: torch.Tensor, num_reqs_padded: Optional[int],
+                            num_tokens_padded: Optional[int], check: bool) -> tuple[int, int, int, int]:
+        """The checks of a gather and a slot mapping through ``idx_mapping``, for the fused
+        launches: ``(num_reqs, num_tokens, num_reqs_padded, num_tokens_padded)``."""
         num_reqs, num_tokens = self._check_slot_inputs(query_start_loc, positions)
         n = self._check_idx_mapping(idx_mapping, check)
         if n != num_reqs:
@@ -511,6 +505,21 @@ class BlockTables:
                                          "max_num_batched_tokens")
         if check and not _capturing(self._device):
             self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, True)
+        return num_reqs, num_tokens, num_reqs_padded, num_tokens_padded
+
+    def gather_and_compute_slot_mappings(
+            self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor, *,
+            num_reqs_padded: Optional[int] = None, num_tokens_padded: Optional[int] = None,
+            check: bool = True) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Ours: ``gather_block_tables(idx_mapping, num_reqs_padded)`` and
+        ``compute_slot_mappings(query_start_loc, positions, idx_mapping=idx_mapping)`` in **one**
+        launch (the fast kernels only); returns both results, which are the same as the two
+        calls'. The two halves are independent (the slots come from the persistent tables, through
+        ``idx_mapping``), so their programs run side by side: one launch and one kernel's latency
+        per step instead of two. The same checks as the two calls (``check=False`` skips the
+        value checks that read tensors on the host)."""
+        num_reqs, num_tokens, num_reqs_padded, num_tokens_padded = self._check_fused_inputs(
+            idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, check)
         num_blocks = self.num_blocks.gpu
         if self._num_blocks_device_source is num_blocks:
             num_blocks = self._num_blocks_device     # same contents, in device memory
@@ -548,21 +557,8 @@ class BlockTables:
         (``apply_staged_writes`` + ``gather_and_compute_slot_mappings``) makes no such
         assumption. Captured in a CUDA graph, it applies the writes of the packed buffer
         it was captured with, as ``launch_staged_writes`` explains."""
-        num_reqs, num_tokens = self._check_slot_inputs(query_start_loc, positions)
-        n = self._check_idx_mapping(idx_mapping, check)
-        if n != num_reqs:
-            raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
-        if num_reqs_padded is None:
-            num_reqs_padded = num_reqs
-        num_reqs_padded = _check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
-        if num_reqs_padded > self.max_num_reqs:
-            raise ValueError(f"num_reqs_padded={num_reqs_padded} is more than max_num_reqs={self.max_num_reqs}")
-        if num_tokens_padded is None:
-            num_tokens_padded = num_tokens
-        num_tokens_padded = _check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
-                                         "max_num_batched_tokens")
-        if check and not _capturing(self._device):
-            self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, True)
+        num_reqs, num_tokens, num_reqs_padded, num_tokens_padded = self._check_fused_inputs(
+            idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded, check)
         if packed is None:
             self.num_blocks.copy_to_uva()
             packed = self.pack_staged_writes()
