@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 from typing import Iterator, Sequence, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 # A slot id that kernels skip: padding tokens (CUDA-graph padding, dummy runs) map to it.
@@ -39,3 +41,27 @@ def chunk_list(lst: Sequence[T], chunk_size: int) -> Iterator[Sequence[T]]:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     for i in range(0, len(lst), chunk_size):
         yield lst[i:i + chunk_size]
+
+
+# ---- Argument checks shared by the block tables ---------------------------------------------------
+def is_int(x: object) -> bool:
+    """A plain or numpy integer, but not a bool (``True`` is an int to Python)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``: TypeError if it is not an int, ValueError if too small."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_count(name: str, value: object, maximum: int, max_name: str) -> int:
+    """``value`` as an int in ``[0, maximum]`` (``max_name`` names the limit in the error)."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not 0 <= value <= maximum:
+        raise ValueError(f"{name} must be between 0 and {max_name}={maximum}, got {value}")
+    return int(value)

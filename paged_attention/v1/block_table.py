@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_int, is_int
 from paged_attention.v1.cpu_gpu_buffer import CpuGpuBuffer
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -88,11 +88,11 @@ class BlockTable:
                  kernel_block_size: int, dcp_kv_cache_interleave_size: Optional[int] = None, *,
                  cp_kv_cache_interleave_size: Optional[int] = None, dcp_world_size: int = 1,
                  dcp_rank: int = 0) -> None:
-        block_size = _check_int("block_size", block_size, minimum=1)
-        max_num_reqs = _check_int("max_num_reqs", max_num_reqs, minimum=1)
-        max_num_blocks_per_req = _check_int("max_num_blocks_per_req", max_num_blocks_per_req, minimum=1)
-        max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-        kernel_block_size = _check_int("kernel_block_size", kernel_block_size, minimum=1)
+        block_size = check_int("block_size", block_size, minimum=1)
+        max_num_reqs = check_int("max_num_reqs", max_num_reqs, minimum=1)
+        max_num_blocks_per_req = check_int("max_num_blocks_per_req", max_num_blocks_per_req, minimum=1)
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        kernel_block_size = check_int("kernel_block_size", kernel_block_size, minimum=1)
         interleave = _resolve_interleave(dcp_kv_cache_interleave_size, cp_kv_cache_interleave_size)
 
         self.max_num_reqs = max_num_reqs
@@ -226,7 +226,7 @@ class BlockTable:
 
     def _padded_slot_ids(self, num_reqs: int, query_start_loc: Any, positions: Any) -> np.ndarray:
         """Validate, then compute the later form's whole padded slot array from the device table."""
-        num_reqs = _check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
         qsl = _as_int_array(query_start_loc, "query_start_loc")
         pos = _as_int_array(positions, "positions")
         num_tokens = pos.shape[0]
@@ -297,12 +297,12 @@ class BlockTable:
     # ---- To the device -------------------------------------------------------------------------
     def commit_block_table(self, num_reqs: int) -> None:
         """Copy rows ``[0, num_reqs)`` of the table to the GPU (non-blocking)."""
-        num_reqs = _check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
         self.block_table.copy_to_gpu(num_reqs)
 
     def commit_slot_mapping(self, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` slots to the GPU (non-blocking)."""
-        num_tokens = _check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
+        num_tokens = check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
         self.slot_mapping.copy_to_gpu(num_tokens)
 
     def clear(self) -> None:
@@ -340,7 +340,7 @@ class BlockTable:
     # ---- Accessors -----------------------------------------------------------------------------
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
         """The first ``num_reqs`` rows of the device table (what attention metadata gets)."""
-        num_reqs = _check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
         return self.block_table.gpu[:num_reqs]
 
     def get_cpu_tensor(self) -> torch.Tensor:
@@ -356,7 +356,7 @@ class BlockTable:
 
     # ---- Checks (each runs before anything is written) -----------------------------------------
     def _check_row(self, row_idx: Any, name: str) -> int:
-        if not _is_int(row_idx):
+        if not is_int(row_idx):
             raise TypeError(f"{name} must be an int, got {row_idx!r}")
         if not 0 <= row_idx < self.max_num_reqs:
             raise IndexError(f"{name}={row_idx} is outside the table's rows 0..{self.max_num_reqs - 1}")
@@ -417,8 +417,8 @@ class MultiGroupBlockTable:
         if isinstance(num_speculative_tokens, (list, tuple)) and max_num_blocks is None:
             # vLLM's later positional order: (..., kernel_block_sizes, max_num_blocks, ...).
             max_num_blocks, num_speculative_tokens = num_speculative_tokens, 0
-        max_model_len = _check_int("max_model_len", max_model_len, minimum=1)
-        num_speculative_tokens = _check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+        max_model_len = check_int("max_model_len", max_model_len, minimum=1)
+        num_speculative_tokens = check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         interleave = _resolve_interleave(dcp_kv_cache_interleave_size, cp_kv_cache_interleave_size)
         block_sizes = _check_int_list("block_sizes", block_sizes)
         kernel_block_sizes = _check_int_list("kernel_block_sizes", kernel_block_sizes)
@@ -505,13 +505,13 @@ class MultiGroupBlockTable:
 
     def commit_block_table(self, num_reqs: int) -> None:
         for table in self.block_tables:
-            _check_count("num_reqs", num_reqs, table.max_num_reqs, "max_num_reqs")
+            check_count("num_reqs", num_reqs, table.max_num_reqs, "max_num_reqs")
         for table in self.block_tables:
             table.commit_block_table(num_reqs)
 
     def commit_slot_mapping(self, num_tokens: int) -> None:
         for table in self.block_tables:
-            _check_count("num_tokens", num_tokens, table.max_num_batched_tokens, "max_num_batched_tokens")
+            check_count("num_tokens", num_tokens, table.max_num_batched_tokens, "max_num_batched_tokens")
         for table in self.block_tables:
             table.commit_slot_mapping(num_tokens)
 
@@ -533,31 +533,10 @@ class MultiGroupBlockTable:
 
 
 # ---- Argument checks shared by both classes ------------------------------------------------------
-def _is_int(x: object) -> bool:
-    """A plain or numpy integer, but not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_int_list(name: str, values: Any) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise TypeError(f"{name} must be a list of ints, got {values!r}")
-    return [_check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(values)]
-
-
-def _check_count(name: str, value: Any, maximum: int, max_name: str) -> int:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if not 0 <= value <= maximum:
-        raise ValueError(f"{name} must be between 0 and {max_name}={maximum}, got {value}")
-    return int(value)
+    return [check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(values)]
 
 
 def _resolve_interleave(dcp_value: Optional[int], cp_value: Optional[int]) -> int:
@@ -565,22 +544,22 @@ def _resolve_interleave(dcp_value: Optional[int], cp_value: Optional[int]) -> in
     ``cp_...``); 1 when neither is given."""
     if cp_value is None:
         value = 1 if dcp_value is None else dcp_value
-    elif dcp_value is None or (_is_int(dcp_value) and dcp_value == 1) or dcp_value == cp_value:
+    elif dcp_value is None or (is_int(dcp_value) and dcp_value == 1) or dcp_value == cp_value:
         value = cp_value
     else:
         raise TypeError(f"the interleave size was given twice: dcp_kv_cache_interleave_size={dcp_value!r} "
                         f"and cp_kv_cache_interleave_size={cp_value!r}")
-    return _check_int("cp_kv_cache_interleave_size", value, minimum=1)
+    return check_int("cp_kv_cache_interleave_size", value, minimum=1)
 
 
 def _check_dcp(world_size: Any, rank: Any, interleave: Any, block_size: int) -> None:
     """DCP settings that give every token exactly one rank and one slot."""
-    world_size = _check_int("dcp_world_size", world_size, minimum=1)
-    if not _is_int(rank):
+    world_size = check_int("dcp_world_size", world_size, minimum=1)
+    if not is_int(rank):
         raise TypeError(f"dcp_rank must be an int, got {rank!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"dcp_rank must be between 0 and dcp_world_size - 1 = {world_size - 1}, got {rank}")
-    interleave = _check_int("cp_kv_cache_interleave_size", interleave, minimum=1)
+    interleave = check_int("cp_kv_cache_interleave_size", interleave, minimum=1)
     if world_size > 1 and block_size % interleave != 0:
         # Each rank must get exactly block_size tokens out of every virtual block; otherwise a
         # local offset could pass the end of its block and land in another request's block.
@@ -592,7 +571,7 @@ def _as_int_array(values: Any, name: str) -> np.ndarray:
     """A 1-D int64 copy of a list, numpy array or (any-device) torch tensor of integers."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    if isinstance(values, (str, bytes)) or _is_int(values):
+    if isinstance(values, (str, bytes)) or is_int(values):
         raise TypeError(f"{name} must be a 1-D array of ints, got {values!r}")
     try:
         arr = np.asarray(values)

@@ -24,10 +24,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-
-def _is_int(x: object) -> bool:
-    """A plain or numpy integer, but not a bool (``True`` is an int to Python)."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+from paged_attention.utils import is_int
 
 
 class CpuGpuBuffer:
@@ -49,7 +46,7 @@ class CpuGpuBuffer:
         if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
             size = tuple(size[0])
         for n in size:
-            if not _is_int(n):
+            if not is_int(n):
                 raise TypeError(f"CpuGpuBuffer sizes must be ints, got {n!r} in {size!r}")
             if n < 0:
                 raise ValueError(f"CpuGpuBuffer sizes must be >= 0, got {size!r}")
@@ -105,7 +102,7 @@ class CpuGpuBuffer:
         """``n`` must be None or a row count between 0 and the buffer's first dimension."""
         if n is None:
             return None
-        if not _is_int(n):
+        if not is_int(n):
             raise TypeError(f"n must be an int or None, got {n!r}")
         if self.cpu.dim() == 0:
             raise ValueError("a 0-dimensional CpuGpuBuffer has no rows: call copy with n=None")

@@ -89,8 +89,8 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv, next_power_of_2
-from paged_attention.v2.buffers import (StagedWriteTensor, UvaBackedTensor, UvaBufferPool, _is_int,
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_int, is_int, next_power_of_2
+from paged_attention.v2.buffers import (StagedWriteTensor, UvaBackedTensor, UvaBufferPool,
                                         check_kernel_device)
 
 IMPLS = ("fast", "seed")
@@ -136,10 +136,10 @@ class BlockTables:
             raise TypeError(f"block_sizes must be a list of ints (one per KV-cache group), got {block_sizes!r}")
         if len(block_sizes) == 0:
             raise ValueError("block_sizes must name at least one KV-cache group")
-        block_sizes = [_check_int(f"block_sizes[{i}]", b, minimum=1) for i, b in enumerate(block_sizes)]
-        max_num_reqs = _check_int("max_num_reqs", max_num_reqs, minimum=1)
-        max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-        max_model_len = _check_int("max_model_len", max_model_len, minimum=1)
+        block_sizes = [check_int(f"block_sizes[{i}]", b, minimum=1) for i, b in enumerate(block_sizes)]
+        max_num_reqs = check_int("max_num_reqs", max_num_reqs, minimum=1)
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        max_model_len = check_int("max_model_len", max_model_len, minimum=1)
         self._device = check_kernel_device(device, "BlockTables")
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -400,7 +400,7 @@ class BlockTables:
         num_reqs = self._check_idx_mapping(idx_mapping, check)
         if num_reqs_padded is None:
             num_reqs_padded = num_reqs
-        num_reqs_padded = _check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
+        num_reqs_padded = check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
         if num_reqs_padded > self.max_num_reqs:
             raise ValueError(f"num_reqs_padded={num_reqs_padded} is more than max_num_reqs={self.max_num_reqs}")
         if num_reqs_padded > 0:
@@ -427,7 +427,7 @@ class BlockTables:
     def get_dummy_block_tables(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
         """The first ``num_reqs`` rows of each input table, unchanged: the same tensors (and
         addresses) every time, for dummy runs and CUDA-graph capture."""
-        num_reqs = _check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
         return tuple(block_table[:num_reqs] for block_table in self.input_block_tables)
 
     # ---- 4. Slot mappings -----------------------------------------------------------------------
@@ -458,7 +458,7 @@ class BlockTables:
                 raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
         if num_tokens_padded is None:
             num_tokens_padded = num_tokens
-        num_tokens_padded = _check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
+        num_tokens_padded = check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
                                          "max_num_batched_tokens")
         if check and not _capturing(self._device):
             self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, idx_mapping is not None)
@@ -496,12 +496,12 @@ class BlockTables:
             raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
         if num_reqs_padded is None:
             num_reqs_padded = num_reqs
-        num_reqs_padded = _check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
+        num_reqs_padded = check_int("num_reqs_padded", num_reqs_padded, minimum=num_reqs)
         if num_reqs_padded > self.max_num_reqs:
             raise ValueError(f"num_reqs_padded={num_reqs_padded} is more than max_num_reqs={self.max_num_reqs}")
         if num_tokens_padded is None:
             num_tokens_padded = num_tokens
-        num_tokens_padded = _check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
+        num_tokens_padded = check_count("num_tokens_padded", num_tokens_padded, self.max_num_batched_tokens,
                                          "max_num_batched_tokens")
         if check and not _capturing(self._device):
             self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, True)
@@ -588,7 +588,7 @@ class BlockTables:
     def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
         """Fill **all** of ``slot_mappings`` with ``PAD_SLOT_ID`` and return its first
         ``num_tokens`` columns (for dummy runs: every cache write is skipped)."""
-        num_tokens = _check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
+        num_tokens = check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
         self.slot_mappings.fill_(PAD_SLOT_ID)
         return self.slot_mappings[:, :num_tokens]
 
@@ -597,7 +597,7 @@ class BlockTables:
         return self.impl if impl is None else _check_impl(impl)
 
     def _check_req_index(self, req_index: Any, name: str) -> int:
-        if not _is_int(req_index):
+        if not is_int(req_index):
             raise TypeError(f"{name} must be an int, got {req_index!r}")
         if not 0 <= req_index < self.max_num_reqs:
             raise IndexError(f"{name}={req_index} names no request state: they are 0..{self.max_num_reqs - 1}")
@@ -676,22 +676,6 @@ class BlockTables:
 
 
 # ---- Small helpers ---------------------------------------------------------------------------------
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_count(name: str, value: Any, maximum: int, max_name: str) -> int:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if not 0 <= value <= maximum:
-        raise ValueError(f"{name} must be between 0 and {max_name}={maximum}, got {value}")
-    return int(value)
-
-
 def _check_impl(impl: Any) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

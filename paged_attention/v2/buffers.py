@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from paged_attention import runtime
+from paged_attention.utils import is_int
 
 Size = Union[int, Sequence[int]]
 
@@ -52,18 +53,13 @@ class UnsupportedDtypeError(ValueError, TypeError):
     project raises TypeError for wrong types. This error is both, so either ``except`` works."""
 
 
-def _is_int(x: object) -> bool:
-    """A plain or numpy integer, but not a bool (``True`` is an int to Python)."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _shape_of(size: Size, name: str = "size") -> tuple[int, ...]:
     """``size`` as a shape tuple: an int is a 1-D shape, a sequence of ints any shape."""
-    dims = (size,) if _is_int(size) else size
+    dims = (size,) if is_int(size) else size
     if isinstance(dims, (str, bytes)) or not isinstance(dims, (Sequence, torch.Size)):
         raise TypeError(f"{name} must be an int or a sequence of ints, got {size!r}")
     for n in dims:
-        if not _is_int(n):
+        if not is_int(n):
             raise TypeError(f"{name} must hold ints, got {n!r} in {size!r}")
         if n < 0:
             raise ValueError(f"{name} must be >= 0, got {size!r}")
@@ -201,7 +197,7 @@ class UvaBufferPool:
     """
 
     def __init__(self, size: Size, dtype: torch.dtype, max_concurrency: int = 2) -> None:
-        if not _is_int(max_concurrency):
+        if not is_int(max_concurrency):
             raise TypeError(f"max_concurrency must be an int, got {max_concurrency!r}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -291,7 +287,7 @@ class UvaBackedTensor:
         if n is None:
             src = self.np
         else:
-            if not _is_int(n):
+            if not is_int(n):
                 raise TypeError(f"n must be an int or None, got {n!r}")
             if not 0 <= n <= self.np.shape[0]:
                 raise ValueError(f"n must be between 0 and {self.np.shape[0]} (the rows), got {n}")
@@ -462,9 +458,9 @@ class StagedWriteTensor:
     # ---- Checks --------------------------------------------------------------------------------
     def _check_write(self, index: Any, start: Any, x: Any) -> list:
         """Check one write and return its values as a list (nothing is recorded here)."""
-        if not _is_int(index):
+        if not is_int(index):
             raise TypeError(f"index must be an int, got {index!r}")
-        if not _is_int(start):
+        if not is_int(start):
             raise TypeError(f"start must be an int, got {start!r}")
         if not 0 <= index < self.num_rows:
             raise IndexError(f"index={index} is outside the rows 0..{self.num_rows - 1}")
@@ -500,7 +496,7 @@ class StagedWriteTensor:
         elif isinstance(x, (list, tuple, range)):
             values = list(x)
             for v in values:
-                if not _is_int(v) and not (self.dtype == torch.float32 and isinstance(v, (float, np.floating))):
+                if not is_int(v) and not (self.dtype == torch.float32 and isinstance(v, (float, np.floating))):
                     kind = "numbers" if self.dtype == torch.float32 else "integers"
                     raise TypeError(f"x must hold {kind}, got {v!r}")
         else:

@@ -6,8 +6,10 @@ every notebook.
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any
+
+from paged_attention.utils import is_int
 
 # The four kinds of KV-cache memory (keys match ``memory_sim.CATEGORIES``).
 CATEGORY_COLORS: dict[str, str] = {
@@ -62,11 +64,6 @@ def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
 
     _, ax = plt.subplots(figsize=figsize)
     return ax
-
-
-def is_int(value: Any) -> bool:
-    """An int (numpy's and torch's included), but not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def positive_int(name: str, value: Any) -> int:
