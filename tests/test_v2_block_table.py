@@ -673,32 +673,41 @@ def test_fast_apply_replays_from_a_cuda_graph():
         assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
 
 
-def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(monkeypatch):
-    # Under capture the grid covers the most writes that can be staged and the kernel reads
-    # the count from the buffer (COUNT_FIRST); the interpreter can run that launch too.
+@pytest.mark.parametrize("rows, programs", [(64, 2), (1, 1), (1, 2), (2, 2)])
+def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(rows, programs, monkeypatch):
+    # Under capture a few programs (capture_write_programs, tiles of capture_write_rows writes)
+    # loop over the tiles up to the count read from the buffer (STRIDED); the interpreter can
+    # run that launch too. Tiles of one or two writes make the programs loop (4 writes); the
+    # three-block write takes its first id from firsts, the other two from the values region.
     apply = CountingKernel(v2bt._apply_block_table_writes_kernel)
     monkeypatch.setattr(v2bt, "_apply_block_table_writes_kernel", apply)
     monkeypatch.setattr(v2bt, "_capturing", lambda device: True)
     bt = filled("fast")
+    bt.capture_write_rows, bt.capture_write_programs = rows, programs
     bt.append_block_ids(1, ([41], [42]), overwrite=False)
     bt.append_block_ids(3, ([43], []), overwrite=False)
+    bt.append_block_ids(2, ([], [44, 45, 46]), overwrite=False)
     before = [t.copy() for t in tables(bt)]
     bt.apply_staged_writes()
-    assert apply.grids[-1] == (cdiv(2 * MAX_REQS, bt.write_rows) + 1,)
+    assert apply.grids[-1] == (min(programs, cdiv(2 * MAX_REQS, rows)) + 1,)
     after = tables(bt)
     assert after[0][1, 2] == 41 and after[1][1, 1] == 42 and after[0][3, 4] == 43
+    assert after[1][2, 2:5].tolist() == [44, 45, 46]
     after[0][1, 2] = after[1][1, 1] = after[0][3, 4] = 0
+    after[1][2, 2:5] = 0
     assert all(np.array_equal(a, b) for a, b in zip(after, before))
     assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
 
 
 @pytest.mark.parametrize("capture_grid", [False, True])
 def test_single_launch_step_equals_apply_then_fused(capture_grid, monkeypatch):
-    if capture_grid:      # the grid and COUNT_FIRST a CUDA-graph capture would use
+    if capture_grid:      # the grid and STRIDED a CUDA-graph capture would use
         monkeypatch.setattr(v2bt, "_capturing", lambda device: True)
     kernel = CountingKernel(v2bt._whole_step_fast_kernel)
     monkeypatch.setattr(v2bt, "_whole_step_fast_kernel", kernel)
     a, b = filled("fast"), filled("fast")
+    if capture_grid:      # one write per tile: the write programs loop (3 writes, 2 programs)
+        b.capture_write_rows = 1
     idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
     for step in range(2):
         for bt in (a, b):

@@ -49,7 +49,11 @@ the same results:
   a step is then two launches: ``apply_staged_writes`` and this;
 * ``pack_staged_writes`` / ``launch_staged_writes``: the fast apply's host half (pack every
   group's writes and the counts into one UVA buffer, at fixed offsets, the write count inside)
-  and device half; the device half can be captured in a CUDA graph (one graph per pool buffer);
+  and device half; the device half can be captured in a CUDA graph (one graph per pool buffer).
+  What it costs is trips over the bus to host memory, so it makes one where it can: every load
+  of a write's description (and its first id, packed beside it) has a fixed address, so they
+  all go at once; captured, a few programs loop over the writes up to the count, rather than
+  a grid sized for the most writes that can be staged (see ``_apply_writes``);
 * ``apply_gather_and_compute_slot_mappings`` (experimental): the whole step in one launch, the
   table readers spinning on a counter until the write programs have signalled.
 
@@ -189,12 +193,17 @@ class BlockTables:
         self._qsl_block = next_power_of_2(max_num_reqs + 1)
         # Launch shapes of the fast kernels: big tiles on the interpreter (it pays per program
         # and per operation, hardly per element), small ones on a GPU (more programs in flight).
+        # The staged writes' launch captured in a CUDA graph (launch_staged_writes): a few
+        # programs of wide tiles, looping over them, rather than a grid sized for the most writes
+        # that can be staged (they all read host memory over the bus).
         if self._device.type == "cuda":
             self.write_rows, self.write_block, self.counts_block = 16, 32, 1024
+            self.capture_write_rows, self.capture_write_programs = 32, 4
             self.gather_rows, self.gather_block_cols = 4, 128
             self.slot_block_tokens = 128
         else:
             self.write_rows, self.write_block, self.counts_block = 64, 64, 1024
+            self.capture_write_rows, self.capture_write_programs = 64, 2
             self.gather_rows, self.gather_block_cols = 64, 64
             self.slot_block_tokens = 1024
 
@@ -299,11 +308,14 @@ class BlockTables:
 
         The buffer is int32, laid out at fixed offsets (``W = num_groups * max_num_reqs``, the
         most writes that can be staged; ``C`` the counts):
-        ``[num_writes | groups (W) | rows (W) | starts (W) | ends (W) | counts (C) | values]``;
-        write k's values are ``values[ends[k-1] : ends[k]]``. The write count is *in* the buffer
-        and the offsets do not depend on it, so the kernel needs no per-step argument: a launch
-        captured in a CUDA graph applies whatever the buffer holds at replay (see
-        ``launch_staged_writes``)."""
+        ``[num_writes | groups (W) | rows (W) | starts (W) | ends (W) | firsts (W) | counts (C) |
+        values]``; write k's values are ``values[ends[k-1] : ends[k]]`` (``ends[-1]`` read as 0),
+        and ``firsts[k]`` repeats the first of them, ``values[ends[k-1]]``, so that the kernel
+        gets a one-block write (the usual one) in the same trip over the bus as the write
+        itself. The write count is *in* the buffer and the offsets do not depend on it (array
+        j of the five starts at ``1 + j * W``, the counts at ``1 + 5 * W``, the values at
+        ``1 + 5 * W + C``), so the kernel needs no per-step argument: a launch captured in a
+        CUDA graph applies whatever the buffer holds at replay (see ``launch_staged_writes``)."""
         groups: list[int] = []
         rows: list[int] = []
         starts: list[int] = []
@@ -321,7 +333,7 @@ class BlockTables:
             contents += table_contents
         n = len(rows)
         w, c = self._max_writes, self.num_blocks.np.size
-        values_at = 1 + 4 * w + c
+        values_at = 1 + 5 * w + c
         buf = self._packed_write_pool(values_at + len(contents)).next_buffer()
         packed = buf.np
         packed[0] = n
@@ -330,8 +342,13 @@ class BlockTables:
             packed[1 + w:1 + w + n] = rows
             packed[1 + 2 * w:1 + 2 * w + n] = starts
             packed[1 + 3 * w:1 + 3 * w + n] = ends
-            packed[values_at:values_at + len(contents)] = contents
-        packed[1 + 4 * w:values_at] = self.num_blocks.np.reshape(-1)
+            values = packed[values_at:values_at + len(contents)]
+            values[:] = contents
+            # firsts[k] = values[ends[k-1]]: write k's first id (no write is empty, so
+            # firsts[0] = values[0]); one numpy gather through the ends just packed.
+            packed[1 + 4 * w] = values[0]
+            packed[2 + 4 * w:1 + 4 * w + n] = values[packed[1 + 3 * w:3 * w + n]]
+        packed[1 + 5 * w:values_at] = self.num_blocks.np.reshape(-1)
         # The fast gather may read the device copy of the counts while num_blocks.gpu is the
         # buffer published with them (a later copy_to_uva re-binds .gpu).
         self._num_blocks_device_source = self.num_blocks.gpu
@@ -341,24 +358,41 @@ class BlockTables:
         """The device half of the fast ``apply_staged_writes`` (ours): one launch that applies
         the writes packed by ``pack_staged_writes`` and copies the counts to device memory.
 
-        Eagerly the grid has just enough write programs for ``num_writes``. While a CUDA graph
-        is being captured it has enough for the most writes that can be staged, and each program
-        reads the write count from the buffer, so a replay applies the step's writes, whatever
-        their number. The graph holds the buffer's address, and the pool rotates between
-        buffers (double buffering): capture one graph per pool buffer (``max_concurrency``, 2)
-        and replay the one ``pack_staged_writes`` just filled. A pool that has to grow (a step
+        Eagerly the grid has just enough write programs for ``num_writes``
+        (``cdiv(num_writes, write_rows)``, one tile of ``write_rows`` writes each). While a CUDA
+        graph is being captured the count is not known yet: the grid then has a few write
+        programs (``capture_write_programs``, tiles of ``capture_write_rows`` writes) that loop
+        over the tiles up to the write count they read from the buffer at replay (see
+        ``_apply_writes``), so a replay applies the step's writes, whatever their number, and a
+        step of up to ``capture_write_programs * capture_write_rows`` writes waits for the bus
+        no longer than an eager launch (on an H200, the whole step's graph, this launch and
+        ``gather_and_compute_slot_mappings``, replays in about 11 us at 1024 requests, where
+        the former capture grid of ``cdiv(_max_writes, write_rows)`` programs, each reading the
+        count first, took 26). The graph holds the buffer's address, and the pool rotates
+        between buffers (double buffering): capture one graph per pool buffer
+        (``max_concurrency``, 2) and replay the one ``pack_staged_writes`` just filled. A pool that has to grow (a step
         staging more values than it holds) moves, and the graphs must then be captured again."""
         buf, n = packed
         num_counts = self.num_blocks.np.size
-        capturing = _capturing(self._device)
-        num_write_programs = cdiv(self._max_writes if capturing else n, self.write_rows)
+        num_write_programs, rows, strided = self._write_launch_shape(n)
         grid = (num_write_programs + cdiv(num_counts, self.counts_block),)
         _apply_block_table_writes_kernel[grid](
             buf, self._max_writes, self.block_table_ptrs, self.block_table_strides,
             self._num_blocks_device, num_counts, num_write_programs,
-            WRITES_PER_PROGRAM=self.write_rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block,
-            COUNT_FIRST=capturing,
+            NUM_GROUPS=self.num_kv_cache_groups, WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block,
+            COUNTS_BLOCK=self.counts_block, STRIDED=strided,
         )
+
+    def _write_launch_shape(self, num_writes: int) -> tuple[int, int, bool]:
+        """``(write programs, writes per tile, strided)`` of a fast apply launch. Eagerly one
+        program per tile of ``write_rows`` writes: ``cdiv(num_writes, write_rows)``. Under CUDA
+        graph capture, ``capture_write_programs`` programs (fewer when the most writes that can
+        be staged, ``_max_writes``, fill fewer tiles of ``capture_write_rows``) looping over the
+        tiles (``STRIDED``)."""
+        if _capturing(self._device):
+            rows = self.capture_write_rows
+            return min(self.capture_write_programs, cdiv(self._max_writes, rows)), rows, True
+        return cdiv(num_writes, self.write_rows), self.write_rows, False
 
     @property
     def _max_writes(self) -> int:
@@ -371,7 +405,7 @@ class BlockTables:
             if pool is not None and self._device.type == "cuda":
                 # Kernels may still read the old buffers: wait for them before they are freed.
                 torch.cuda.synchronize(self._device)
-            fixed = 1 + 5 * self._max_writes
+            fixed = 1 + 6 * self._max_writes             # all but the values (counts: as many)
             capacity = max(length, 2 * (pool.size[0] if pool else 0) - fixed,
                            fixed + 4 * self._max_writes + 4096)
             pool = self._write_pool = UvaBufferPool(capacity, torch.int32)
@@ -563,8 +597,7 @@ class BlockTables:
             self.num_blocks.copy_to_uva()
             packed = self.pack_staged_writes()
         buf, num_writes = packed
-        capturing = _capturing(self._device)
-        num_write_programs = cdiv(self._max_writes if capturing else num_writes, self.write_rows)
+        num_write_programs, write_rows, strided = self._write_launch_shape(num_writes)
         num_counts = self.num_blocks.np.size
         num_slot_programs = cdiv(self.max_num_batched_tokens, self.slot_block_tokens)
         gather_tiles = cdiv(num_reqs_padded, self.gather_rows)
@@ -578,8 +611,8 @@ class BlockTables:
             num_write_programs, num_slot_programs, max(gather_tiles, 1),
             PAD_ID=PAD_SLOT_ID, NUM_GROUPS=self.num_kv_cache_groups, SEARCH_STEPS=self._search_steps,
             QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens, ROWS=self.gather_rows,
-            BLOCK_COLS=self.gather_block_cols, WRITES_PER_PROGRAM=self.write_rows, WRITE_BLOCK=self.write_block,
-            COUNTS_BLOCK=self.counts_block, COUNT_FIRST=capturing,
+            BLOCK_COLS=self.gather_block_cols, WRITES_PER_PROGRAM=write_rows, WRITE_BLOCK=self.write_block,
+            COUNTS_BLOCK=self.counts_block, STRIDED=strided,
         )
         self._num_gathered_reqs = num_reqs
         return (tuple(block_table[:num_reqs_padded] for block_table in self.input_block_tables),
@@ -712,17 +745,19 @@ def _load_ptr(ptr_to_ptr, elem_dtype):
 
 @triton.jit(do_not_specialize=["num_write_programs"])
 def _apply_block_table_writes_kernel(
-    packed_ptr,          # int32: num_writes | groups | rows | starts | ends (max_writes each) | counts | values
+    packed_ptr,          # int32: num_writes | groups, rows, starts, ends, firsts (max_writes each) | counts
+                         # | values (see pack_staged_writes)
     max_writes,          # room for writes in each of the four per-write arrays
     table_ptrs,          # uint64 [num_groups]: each group's persistent table
     table_strides,       # int64 [num_groups]: its row stride (= width)
     counts_dst,          # int32 [num_groups * max_num_reqs]: the counts' copy in device memory
     num_counts,
     num_write_programs,  # programs 0 .. num_write_programs-1 write; the rest copy counts
+    NUM_GROUPS: tl.constexpr,
     WRITES_PER_PROGRAM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     COUNTS_BLOCK: tl.constexpr,
-    COUNT_FIRST: tl.constexpr,   # read the write count first (a grid captured for the most writes)
+    STRIDED: tl.constexpr,       # a grid captured in a CUDA graph: few programs loop over the tiles
 ):
     # Ours: all groups' staged writes in one launch, WRITES_PER_PROGRAM writes per program, as
     # a [writes, columns] tile: one tile row per write. The last programs copy the counts.
@@ -730,8 +765,8 @@ def _apply_block_table_writes_kernel(
     if pid >= num_write_programs:
         _copy_counts(pid - num_write_programs, packed_ptr, max_writes, counts_dst, num_counts, COUNTS_BLOCK)
         return
-    _apply_writes_tile(pid, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
-                       WRITES_PER_PROGRAM, BLOCK_SIZE, COUNT_FIRST)
+    _apply_writes(pid, num_write_programs, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                  NUM_GROUPS, WRITES_PER_PROGRAM, BLOCK_SIZE, STRIDED)
 
 
 @triton.jit
@@ -739,39 +774,77 @@ def _copy_counts(tile, packed_ptr, max_writes, counts_dst, num_counts, COUNTS_BL
     # Counts k .. k + COUNTS_BLOCK - 1 (both are [groups, max_num_reqs], contiguous).
     k = tile * COUNTS_BLOCK + tl.arange(0, COUNTS_BLOCK)
     in_range = k < num_counts
-    counts_src = packed_ptr + 1 + 4 * max_writes
+    counts_src = packed_ptr + 1 + 5 * max_writes       # after the header and the five write arrays
     tl.store(counts_dst + k, tl.load(counts_src + k, mask=in_range), mask=in_range)
 
 
 @triton.jit
-def _apply_writes_tile(pid, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
-                       WRITES_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr, COUNT_FIRST: tl.constexpr):
-    # Writes pid * WRITES_PER_PROGRAM .. + WRITES_PER_PROGRAM - 1 of a packed buffer.
-    w = pid * WRITES_PER_PROGRAM + tl.arange(0, WRITES_PER_PROGRAM)
+def _apply_writes(pid, num_write_programs, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                  NUM_GROUPS: tl.constexpr, WRITES_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  STRIDED: tl.constexpr):
+    # Write program pid of num_write_programs. Tile k holds writes k * WRITES_PER_PROGRAM ..
+    # (k + 1) * WRITES_PER_PROGRAM - 1 of the packed buffer.
+    #
+    # Eagerly (STRIDED off) the host sized the grid to the write count: program pid does tile
+    # pid, and that is all.
+    #
+    # Captured in a CUDA graph (STRIDED on), the count is known only at replay, and the grid
+    # is a few programs (launch_staged_writes): program pid does tiles pid, pid + P, pid + 2P,
+    # ... (P = num_write_programs) up to the last tile holding a write, cdiv(num_writes,
+    # WRITES_PER_PROGRAM) - 1. Its first tile, pid, is done before the loop and without
+    # waiting for the count: the offsets are fixed, so the count and that tile's five write
+    # arrays travel over the bus together (one round trip), as eagerly; only the writes of a
+    # step with more than P tiles wait for the count. (The former capture grid, one program
+    # per tile of the most writes that can be staged, each reading the count first, cost a
+    # round trip more and a hundred programs' worth of reads over the bus.)
+    _apply_writes_tile(pid, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                       NUM_GROUPS, WRITES_PER_PROGRAM, BLOCK_SIZE)
+    if STRIDED:
+        num_writes = tl.load(packed_ptr)
+        num_tiles = tl.cdiv(num_writes, WRITES_PER_PROGRAM)
+        for tile in range(pid + num_write_programs, num_tiles, num_write_programs):
+            _apply_writes_tile(tile, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                               NUM_GROUPS, WRITES_PER_PROGRAM, BLOCK_SIZE)
+
+
+@triton.jit
+def _apply_writes_tile(tile, packed_ptr, max_writes, table_ptrs, table_strides, num_counts,
+                       NUM_GROUPS: tl.constexpr, WRITES_PER_PROGRAM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    # Writes tile * WRITES_PER_PROGRAM .. + WRITES_PER_PROGRAM - 1 of a packed buffer.
+    w = tile * WRITES_PER_PROGRAM + tl.arange(0, WRITES_PER_PROGRAM)
     room = w < max_writes
     num_writes = tl.load(packed_ptr)
-    if COUNT_FIRST:
-        # A grid captured for the most writes: read the count first, so that programs with no
-        # write read no host memory (their loads below are all masked off).
-        room = room & (w < num_writes)
-    # Eagerly the grid fits the count, and the loads below do not wait for it (the offsets are
-    # fixed), so all of them travel over the bus together; entries past the count are masked
-    # off afterwards.
+    # The loads below do not wait for the count (the offsets are fixed: array j of the write
+    # arrays starts at 1 + j * max_writes), so all of them travel over the bus together with
+    # it; entries past the count (stale ones of earlier steps) are masked off afterwards.
     group = tl.load(packed_ptr + 1 + w, mask=room, other=0)
     row = tl.load(packed_ptr + 1 + max_writes + w, mask=room, other=0)
     start = tl.load(packed_ptr + 1 + 2 * max_writes + w, mask=room, other=0)
     end = tl.load(packed_ptr + 1 + 3 * max_writes + w, mask=room, other=0)
-    # Write w's values are values[ends[w-1] : ends[w]] (the first write's begin at 0).
+    # Write w's values are values[ends[w-1] : ends[w]] (the first write's begin at 0)...
     begin = tl.load(packed_ptr + 1 + 3 * max_writes + w - 1, mask=room & (w > 0), other=0)
+    # ...and its first value, values[ends[w-1]], is also in the fifth array (firsts): a step's
+    # usual write, one new block, needs nothing from the values region, whose address depends
+    # on begin (a second round trip over the bus before the store).
+    first = tl.load(packed_ptr + 1 + 4 * max_writes + w, mask=room, other=0)
     valid = room & (w < num_writes)
     length = tl.where(valid, end - begin, 0)
-    values_ptr = packed_ptr + 1 + 4 * max_writes + num_counts
-    # Each write's group gives its table (a vector of pointers) and row stride.
-    table = tl.cast(tl.load(table_ptrs + group, mask=valid, other=0), tl.pointer_type(tl.int32))
-    stride = tl.load(table_strides + group, mask=valid, other=0)
-    # Element `start` of row `row` of that table.
+    values_ptr = packed_ptr + 1 + 5 * max_writes + num_counts
+    # Each write's group gives its table and row stride. The NUM_GROUPS pointers and strides
+    # are loaded up front (they do not depend on the buffer, so their loads overlap the bus's)
+    # and picked per write, rather than loaded through `group` after it arrives.
+    table_bits = tl.zeros([WRITES_PER_PROGRAM], tl.uint64)
+    stride = tl.zeros([WRITES_PER_PROGRAM], tl.int64)
+    for g in tl.static_range(NUM_GROUPS):
+        table_bits = tl.where(group == g, tl.load(table_ptrs + g), table_bits)
+        stride = tl.where(group == g, tl.load(table_strides + g), stride)
+    table = tl.cast(table_bits, tl.pointer_type(tl.int32))
+    # Element `start` of row `row` of that table: the write's column 0.
     dst = table + row.to(tl.int64) * stride + start
-    for c in range(0, tl.max(length, axis=0), BLOCK_SIZE):
+    tl.store(dst, first, mask=length > 0)
+    # Columns 1 .. length-1 from the values region (only writes of several blocks have them:
+    # a new request's, not a decode step's), BLOCK_SIZE columns at a time.
+    for c in range(1, tl.max(length, axis=0), BLOCK_SIZE):
         cols = c + tl.arange(0, BLOCK_SIZE)
         mask = cols[None, :] < length[:, None]
         ids = tl.load(values_ptr + begin[:, None] + cols[None, :], mask=mask)
@@ -1089,7 +1162,7 @@ def _whole_step_fast_kernel(
     WRITES_PER_PROGRAM: tl.constexpr,
     WRITE_BLOCK: tl.constexpr,
     COUNTS_BLOCK: tl.constexpr,
-    COUNT_FIRST: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     # Ours, experimental: the whole step in one launch. The write programs (the lowest ids, so
     # the GPU starts them first) apply the staged writes and signal; the slot and gather
@@ -1099,8 +1172,8 @@ def _whole_step_fast_kernel(
     pid = tl.program_id(0)
     num_count_programs = tl.cdiv(num_counts, COUNTS_BLOCK)
     if pid < num_write_programs:
-        _apply_writes_tile(pid, packed_ptr, max_writes, src_block_table_ptrs, block_table_strides, num_counts,
-                           WRITES_PER_PROGRAM, WRITE_BLOCK, COUNT_FIRST)
+        _apply_writes(pid, num_write_programs, packed_ptr, max_writes, src_block_table_ptrs, block_table_strides,
+                      num_counts, NUM_GROUPS, WRITES_PER_PROGRAM, WRITE_BLOCK, STRIDED)
         tl.debug_barrier()                               # every thread's stores issued...
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")   # ...and visible before the signal
     elif pid < num_write_programs + num_count_programs:
@@ -1113,7 +1186,7 @@ def _whole_step_fast_kernel(
     else:
         g = pid - num_write_programs - num_count_programs - num_slot_programs
         _gather_rows_fast(g % gather_tiles, g // gather_tiles, idx_mapping, src_block_table_ptrs,
-                          dst_block_table_ptrs, block_table_strides, packed_ptr + 1 + 4 * max_writes,
+                          dst_block_table_ptrs, block_table_strides, packed_ptr + 1 + 5 * max_writes,
                           max_num_reqs, num_reqs, num_reqs_padded, max_num_reqs, sync_ptr, num_write_programs,
                           ROWS, BLOCK_COLS, True)
     done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
