@@ -1,0 +1,401 @@
+"""From a model's layers to bound, shaped KV-cache tensors (spec §4.1 layout, §4.2).
+
+The path, as in ``vllm/v1/worker/gpu/attn_utils.py``:
+
+1. ``get_kv_cache_spec``: one spec per layer (layers that reuse another layer's cache have none);
+2. ``get_kv_cache_config``: a memory budget becomes a number of blocks, raw buffers and groups;
+3. ``_allocate_kv_cache``: one zeroed int8 tensor per buffer, the same object for every layer
+   that shares it;
+4. ``_reshape_kv_cache``: each layer's view of its bytes, in the backend's logical shape, with
+   the memory order of the backend's stride order;
+5. ``bind_kv_cache``: each view is set on its layer object and appended to the runner's list.
+
+``init_kv_cache`` runs 3 to 5. ``build_attn_metadata`` builds the per-step metadata.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paged_attention.kv_cache.backends import AttentionBackend
+from paged_attention.kv_cache.interface import (
+    AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, get_dtype_size)
+from paged_attention.kv_cache.layer import Attention
+from paged_attention.utils import check_int
+
+
+class KVCacheInitError(ValueError, AssertionError):
+    """The config and the tensors do not fit together. vLLM asserts these; here they are
+    ValueErrors that are also AssertionErrors."""
+
+
+# ---- specs ---------------------------------------------------------------------------------------
+def _validate_kv_sharing(attn_layers: dict[str, Attention]) -> dict[str, str]:
+    """``{sharing layer: the layer whose cache it really uses}``; targets must come earlier."""
+    names = list(attn_layers)
+    shared: dict[str, str] = {}
+    for pos, (name, layer) in enumerate(attn_layers.items()):
+        target = layer.kv_sharing_target_layer_name
+        if target is None:
+            continue
+        if target == name:
+            raise ValueError(f"kv_sharing_target_layer_name {target!r} is not valid: a layer "
+                             "cannot share its own KV cache.")
+        if target not in attn_layers:
+            raise ValueError(f"kv_sharing_target_layer_name {target!r} of layer {name!r} is "
+                             "not an attention layer of the model.")
+        if names.index(target) > pos:
+            raise ValueError(f"kv_sharing_target_layer_name {target!r} must come before the "
+                             f"layer that shares it ({name!r}).")
+        t = attn_layers[target]
+        if (t.num_kv_heads, t.head_size, t.sliding_window) != \
+                (layer.num_kv_heads, layer.head_size, layer.sliding_window):
+            raise ValueError(f"layer {name!r} cannot share the KV cache of {target!r}: their "
+                             "KV heads, head size or sliding window differ.")
+        # a target that shares too: follow it to the layer that owns the cache
+        shared[name] = shared.get(target, target)
+    return shared
+
+
+def get_kv_cache_spec(attn_layers: dict[str, Attention], block_size: int,
+                      kv_cache_dtype: torch.dtype) -> dict[str, KVCacheSpec]:
+    """One spec per layer, in layer order; KV-sharing layers (spec None) are skipped.
+
+    Sharing targets are checked: they must exist and come before the layer (ValueError).
+    """
+    if not isinstance(attn_layers, dict):
+        raise TypeError(f"attn_layers must be a dict of name -> Attention, got "
+                        f"{type(attn_layers).__name__}")
+    for name, layer in attn_layers.items():
+        if not isinstance(layer, Attention):
+            raise TypeError(f"layer {name!r} is not an Attention, got {type(layer).__name__}")
+    if not isinstance(kv_cache_dtype, torch.dtype):
+        raise TypeError(f"kv_cache_dtype must be a torch.dtype, got {kv_cache_dtype!r}")
+    check_int("block_size", block_size, 1)
+    _validate_kv_sharing(attn_layers)
+    specs: dict[str, KVCacheSpec] = {}
+    for name, layer in attn_layers.items():
+        spec = layer.get_kv_cache_spec(block_size, kv_cache_dtype)
+        if spec is not None:
+            specs[name] = spec
+    return specs
+
+
+def get_shared_kv_cache_layers(attn_layers: dict[str, Attention]) -> dict[str, str]:
+    """``{sharing layer: target layer}`` for the layers that reuse another layer's cache."""
+    return _validate_kv_sharing(attn_layers)
+
+
+# ---- memory budget -> config ----------------------------------------------------------------------
+def get_kv_cache_config(kv_cache_spec: dict[str, KVCacheSpec], available_memory: int,
+                        num_gpu_blocks_override: int | None = None,
+                        shared_kv_cache_layers: dict[str, str] | None = None) -> KVCacheConfig:
+    """Turn a memory budget in bytes into a ``KVCacheConfig`` (spec §4.1, layout rules).
+
+    * All layers with one spec: one group, one tensor per layer,
+      ``num_blocks = available_memory // page_size // num_layers``.
+    * Several specs with one page size (hybrid): one group per spec (first-seen order), tensor
+      ``i`` shared by layer ``i`` of every group, ``num_blocks = available // page // max
+      layers per group``.
+    * ``shared_kv_cache_layers`` (``{layer: target}``): each sharing layer joins its target's
+      group; it has no tensor of its own (``_reshape_kv_cache`` aliases it to its target).
+    """
+    if not isinstance(kv_cache_spec, dict) or not kv_cache_spec:
+        raise ValueError("kv_cache_spec must be a non-empty dict of layer name -> spec")
+    check_int("available_memory", available_memory, 0)
+    groups: list[tuple[KVCacheSpec, list[str]]] = []
+    for name, spec in kv_cache_spec.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"spec of layer {name!r} is not a KVCacheSpec: {spec!r}")
+        for g_spec, names in groups:
+            if g_spec == spec:
+                names.append(name)
+                break
+        else:
+            groups.append((spec, [name]))
+    page_sizes = {spec.page_size_bytes for spec, _ in groups}
+    if len(page_sizes) != 1:
+        raise NotImplementedError(
+            f"layers with different page sizes ({sorted(page_sizes)}) are not supported")
+    page_size = page_sizes.pop()
+    group_size = max(len(names) for _, names in groups)
+    if num_gpu_blocks_override is not None:
+        num_blocks = check_int("num_gpu_blocks_override", num_gpu_blocks_override, 1)
+    else:
+        num_blocks = available_memory // page_size // group_size
+    if num_blocks < 1:
+        raise ValueError(
+            f"Not enough memory for the KV cache: {available_memory} bytes available, but one "
+            f"block for each of {group_size} layer(s) needs {page_size * group_size} bytes "
+            f"(page size {page_size}).")
+    tensors = [KVCacheTensor(size=page_size * num_blocks,
+                             shared_by=[names[i] for _, names in groups if i < len(names)])
+               for i in range(group_size)]
+    kv_groups = [KVCacheGroupSpec(layer_names=list(names),
+                                  kv_cache_spec=type(spec).merge([kv_cache_spec[n]
+                                                                  for n in names]))
+                 for spec, names in groups]
+    for layer, target in (shared_kv_cache_layers or {}).items():
+        for group in kv_groups:
+            if target in group.layer_names:
+                group.layer_names.append(layer)
+                break
+        else:
+            raise ValueError(f"KV sharing target {target!r} of layer {layer!r} has no KV "
+                             "cache spec.")
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                         kv_cache_groups=kv_groups)
+
+
+# ---- allocate, reshape, bind ---------------------------------------------------------------------
+def _allocate_kv_cache(kv_cache_config: KVCacheConfig, device: torch.device | str,
+                       *, shared_kv_cache_layers: dict[str, str] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """One zero-filled int8 tensor of ``size`` bytes per ``KVCacheTensor``; every layer in its
+    ``shared_by`` maps to that same tensor object."""
+    raw: dict[str, torch.Tensor] = {}
+    for kv_tensor in kv_cache_config.kv_cache_tensors:
+        size = check_int("KVCacheTensor.size", kv_tensor.size, 1)
+        tensor = torch.zeros(size, dtype=torch.int8, device=device)
+        for name in kv_tensor.shared_by:
+            if name in raw:
+                raise KVCacheInitError(f"layer {name!r} is in more than one KVCacheTensor")
+            raw[name] = tensor
+    expected = {name for group in kv_cache_config.kv_cache_groups
+                for name in group.layer_names} - set(shared_kv_cache_layers or {})
+    if set(raw) != expected:
+        raise KVCacheInitError(
+            "Some layers are not correctly initialized: tensors cover "
+            f"{sorted(raw)}, groups name {sorted(expected)}")
+    return raw
+
+
+def _reshape_kv_cache(kv_cache_config: KVCacheConfig,
+                      kv_cache_raw_tensors: dict[str, torch.Tensor],
+                      attn_backends: dict[str, type[AttentionBackend]],
+                      layout: str = "NHD", *, cache_dtype: str = "auto",
+                      kernel_block_sizes: list[int] | None = None,
+                      shared_kv_cache_layers: dict[str, str] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """Each layer's typed view of its raw bytes (spec §4.2).
+
+    The view has the backend's logical shape (``get_kv_cache_shape``); in memory its
+    dimensions lie in the order ``get_kv_cache_stride_order(layout)`` gives: the bytes are
+    viewed in that physical shape and the view is permuted back. Sharing layers get their
+    target's view object.
+    """
+    shared = dict(shared_kv_cache_layers or {})
+    if kernel_block_sizes is not None and \
+            len(kernel_block_sizes) != len(kv_cache_config.kv_cache_groups):
+        raise ValueError(f"kernel_block_sizes has {len(kernel_block_sizes)} entries for "
+                         f"{len(kv_cache_config.kv_cache_groups)} KV-cache groups")
+    kv_caches: dict[str, torch.Tensor] = {}
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise NotImplementedError(f"unsupported KV cache spec {type(spec).__name__}")
+        page_size = spec.page_size_bytes
+        for name in group.layer_names:
+            if name in shared:
+                continue
+            if name not in kv_cache_raw_tensors:
+                raise KVCacheInitError(f"no raw tensor for layer {name!r}")
+            if name not in attn_backends:
+                raise KVCacheInitError(f"no attention backend for layer {name!r}")
+            raw = kv_cache_raw_tensors[name]
+            if raw.dtype != torch.int8 or raw.dim() != 1:
+                raise TypeError(f"raw KV cache of {name!r} must be a 1-D int8 tensor, got "
+                                f"{raw.dtype} with shape {tuple(raw.shape)}")
+            if raw.numel() % page_size != 0:
+                raise KVCacheInitError(
+                    f"raw KV cache of {name!r} has {raw.numel()} bytes, not a multiple of "
+                    f"the page size {page_size}")
+            num_blocks = raw.numel() // page_size
+            kbs = spec.block_size if kernel_block_sizes is None else kernel_block_sizes[g]
+            if kbs != spec.block_size:
+                if spec.block_size % kbs != 0:
+                    raise ValueError(f"kernel block size {kbs} does not divide block size "
+                                     f"{spec.block_size}")
+                num_blocks *= spec.block_size // kbs
+            shape_bs = spec.storage_block_size if spec.storage_block_size != spec.block_size \
+                else kbs
+            backend = attn_backends[name]
+            shape = backend.get_kv_cache_shape(num_blocks, shape_bs, spec.num_kv_heads,
+                                               spec.head_size, cache_dtype_str=cache_dtype)
+            try:
+                order = tuple(backend.get_kv_cache_stride_order(layout))
+            except (AttributeError, NotImplementedError):
+                order = tuple(range(len(shape)))
+            if sorted(order) != list(range(len(shape))):
+                raise KVCacheInitError(f"stride order {order} does not fit shape {shape}")
+            physical = tuple(shape[i] for i in order)
+            inverse = [order.index(i) for i in range(len(order))]
+            typed = raw.view(spec.dtype)
+            if spec.page_size_padded is None:
+                view = typed.view(physical)
+            else:
+                strides = [1] * len(physical)
+                for d in range(len(physical) - 2, -1, -1):
+                    strides[d] = strides[d + 1] * physical[d + 1]
+                strides[0] = page_size // get_dtype_size(spec.dtype)
+                view = torch.as_strided(typed, physical, strides)
+            kv_caches[name] = view.permute(*inverse)
+    for name, target in shared.items():
+        while target in shared:
+            target = shared[target]
+        if target not in kv_caches:
+            raise KVCacheInitError(f"KV sharing target {target!r} of layer {name!r} has no "
+                                   "KV cache")
+        kv_caches[name] = kv_caches[target]
+    return kv_caches
+
+
+def extract_layer_index(layer_name: str) -> int:
+    """The one integer in a layer name ("model.layers.3.attn" -> 3)."""
+    found = re.findall(r"\d+", layer_name)
+    if len(found) != 1:
+        raise ValueError(f"layer name {layer_name!r} must contain exactly one integer, "
+                         f"found {found}")
+    return int(found[0])
+
+
+def bind_kv_cache(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, Any],
+                  runner_kv_caches: list[torch.Tensor], num_attn_module: int = 1) -> None:
+    """Append the caches to ``runner_kv_caches`` in ascending layer index (ties keep their
+    order) and set ``forward_context[layer].kv_cache`` to the same object."""
+    if runner_kv_caches:
+        raise ValueError("runner_kv_caches must be empty before binding")
+    indexed = sorted(kv_caches, key=extract_layer_index)   # sorted() is stable
+    for name in indexed:
+        runner_kv_caches.append(kv_caches[name])
+    for name, kv_cache in kv_caches.items():
+        if name not in forward_context:
+            raise KeyError(f"layer {name!r} is not in forward_context")
+        forward_context[name].kv_cache = kv_cache
+
+
+def init_kv_cache(runner_kv_caches: list[torch.Tensor], forward_context: dict[str, Any],
+                  kv_cache_config: KVCacheConfig,
+                  attn_backends: dict[str, type[AttentionBackend]],
+                  device: torch.device | str, layout: str = "NHD", *,
+                  cache_dtype: str = "auto", kernel_block_sizes: list[int] | None = None,
+                  shared_kv_cache_layers: dict[str, str] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Allocate, reshape and bind; returns ``{layer: view}``.
+
+    ``shared_kv_cache_layers`` defaults to the sharing targets of the layers in
+    ``forward_context`` (``Attention.kv_sharing_target_layer_name``).
+    """
+    if shared_kv_cache_layers is None:
+        shared_kv_cache_layers = {
+            name: layer.kv_sharing_target_layer_name
+            for name, layer in forward_context.items()
+            if getattr(layer, "kv_sharing_target_layer_name", None) is not None}
+    raw = _allocate_kv_cache(kv_cache_config, device,
+                             shared_kv_cache_layers=shared_kv_cache_layers)
+    kv_caches = _reshape_kv_cache(kv_cache_config, raw, attn_backends, layout,
+                                  cache_dtype=cache_dtype,
+                                  kernel_block_sizes=kernel_block_sizes,
+                                  shared_kv_cache_layers=shared_kv_cache_layers)
+    bind_kv_cache(kv_caches, forward_context, runner_kv_caches)
+    return kv_caches
+
+
+# ---- attention metadata --------------------------------------------------------------------------
+@dataclass
+class CommonAttentionMetadata:
+    """What every backend's metadata builder starts from, for one KV-cache group."""
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None
+    dcp_local_seq_lens: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+class CommonMetadataBuilder:
+    """A builder that hands the common metadata through unchanged (real backends add their
+    own fields here)."""
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              **kwargs: Any) -> CommonAttentionMetadata:
+        return common_attn_metadata
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> CommonAttentionMetadata:
+        return common_attn_metadata
+
+
+@dataclass
+class AttentionGroup:
+    """Layers of one KV-cache group that share a backend and a spec, and their builder."""
+
+    backend: type[AttentionBackend]
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+    kv_cache_group_id: int = 0
+    metadata_builders: list = field(default_factory=lambda: [CommonMetadataBuilder()])
+
+    def get_metadata_builder(self, ubatch_id: int = 0):
+        return self.metadata_builders[ubatch_id]
+
+
+def build_attn_metadata(attn_groups: list[list[AttentionGroup]], num_reqs: int,
+                        num_tokens: int, query_start_loc_gpu: torch.Tensor,
+                        query_start_loc_cpu: torch.Tensor, max_query_len: int,
+                        seq_lens: torch.Tensor, max_seq_len: int,
+                        block_tables: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                        slot_mappings: list[torch.Tensor] | torch.Tensor,
+                        kv_cache_config: KVCacheConfig,
+                        seq_lens_cpu_upper_bound: torch.Tensor | None = None,
+                        dcp_local_seq_lens: torch.Tensor | None = None,
+                        positions: torch.Tensor | None = None,
+                        model_specific_attn_metadata: dict[str, Any] | None = None,
+                        for_cudagraph_capture: bool = False) -> dict[str, Any]:
+    """``{layer: metadata}``: one ``CommonAttentionMetadata`` per KV-cache group (its block
+    table and slot mapping, ``causal=True``, ``num_actual_tokens=num_tokens``), passed through
+    each attention group's builder; every layer of an attention group gets the same object."""
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    check_int("num_reqs", num_reqs, 0)
+    check_int("num_tokens", num_tokens, 0)
+    if len(attn_groups) != num_groups or len(block_tables) != num_groups or \
+            len(slot_mappings) != num_groups:
+        raise ValueError(
+            f"expected one entry per KV-cache group ({num_groups}): got {len(attn_groups)} "
+            f"attention-group lists, {len(block_tables)} block tables, "
+            f"{len(slot_mappings)} slot mappings")
+    seq_lens = seq_lens[:num_reqs]
+    if seq_lens_cpu_upper_bound is not None:
+        seq_lens_cpu_upper_bound = seq_lens_cpu_upper_bound[:num_reqs]
+    if dcp_local_seq_lens is not None:
+        dcp_local_seq_lens = dcp_local_seq_lens[:num_reqs]
+    extra = dict(model_specific_attn_metadata or {})
+    metadata: dict[str, Any] = {}
+    for i in range(num_groups):
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc_gpu, query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens, num_reqs=num_reqs, num_actual_tokens=num_tokens,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            block_table_tensor=block_tables[i], slot_mapping=slot_mappings[i], causal=True,
+            seq_lens_cpu_upper_bound=seq_lens_cpu_upper_bound,
+            dcp_local_seq_lens=dcp_local_seq_lens, positions=positions)
+        for attn_group in attn_groups[i]:
+            builder = attn_group.get_metadata_builder()
+            if for_cudagraph_capture:
+                md = builder.build_for_cudagraph_capture(common)
+            else:
+                md = builder.build(common_prefix_len=0, common_attn_metadata=common, **extra)
+            for name in attn_group.layer_names:
+                metadata[name] = md
+    return metadata

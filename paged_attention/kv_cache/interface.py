@@ -1,0 +1,196 @@
+"""What one layer's KV cache needs per block, and how the cache is laid out (spec §4.1).
+
+Mirrors ``vllm/v1/kv_cache_interface.py``: the specs are frozen dataclasses with vLLM's field
+names; ``page_size_bytes`` is the number of bytes one block of one layer takes.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace, fields
+
+import torch
+
+from paged_attention.utils import cdiv
+
+
+class KVCacheSpecMismatchError(ValueError, AssertionError):
+    """Specs that must be equal (one KV-cache group) are not. vLLM asserts this; here it is a
+    ValueError that is also an AssertionError."""
+
+
+def get_dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The base of every spec: only the number of tokens per block."""
+
+    block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+        raise NotImplementedError
+
+    @property
+    def storage_block_size(self) -> int:
+        return self.block_size
+
+    def copy_with_new_block_size(self, block_size: int) -> "KVCacheSpec":
+        return replace(self, block_size=block_size)
+
+    @classmethod
+    def merge(cls, specs: list["KVCacheSpec"]) -> "KVCacheSpec":
+        """One spec for a group of layers; every spec in ``specs`` must be equal."""
+        if not specs:
+            raise ValueError("merge needs at least one spec")
+        if not all(spec == specs[0] for spec in specs[1:]):
+            raise KVCacheSpecMismatchError(
+                "All layers in the same KV cache group must be the same.")
+        return copy.deepcopy(specs[0])
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """Attention layers: a K and a V page of ``block_size * num_kv_heads * head_size`` each."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    page_size_padded: int | None = field(default=None, kw_only=True)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return (2 * self.block_size * self.num_kv_heads * self.head_size
+                * get_dtype_size(self.dtype))
+
+    @property
+    def page_size_bytes(self) -> int:
+        real = self.real_page_size_bytes
+        if self.page_size_padded is not None:
+            if self.page_size_padded < real:
+                raise ValueError(f"page_size_padded={self.page_size_padded} is smaller than "
+                                 f"the real page size {real}")
+            return self.page_size_padded
+        return real
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token attends to every earlier one; V may have its own head size."""
+
+    head_size_v: int | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return (self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v)
+                * get_dtype_size(self.dtype))
+
+    def max_memory_usage_bytes(self, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+    @classmethod
+    def merge(cls, specs: list[KVCacheSpec]) -> "FullAttentionSpec":
+        """Merge full-attention specs; windows and chunk sizes (None ignored) must agree."""
+        if not specs:
+            raise ValueError("merge needs at least one spec")
+        if not all(isinstance(spec, FullAttentionSpec) for spec in specs):
+            raise KVCacheSpecMismatchError(
+                "All attention layers in the same KV cache group must be FullAttentionSpec.")
+        windows = {s.sliding_window for s in specs if s.sliding_window is not None}
+        chunks = {s.attention_chunk_size for s in specs
+                  if s.attention_chunk_size is not None}
+        if len(windows) > 1:
+            raise ValueError("All attention layers in the same KV cache group must have the "
+                             "same window size.")
+        if len(chunks) > 1:
+            raise ValueError("All attention layers in the same KV cache group must have the "
+                             "same attention chunk size.")
+        base = [f.name for f in fields(AttentionSpec)] + ["head_size_v"]
+        first = specs[0]
+        for spec in specs[1:]:
+            for name in base:
+                if getattr(spec, name) != getattr(first, name):
+                    raise KVCacheSpecMismatchError(
+                        "All attention layers in the same KV cache group must have the same "
+                        f"{name}: {getattr(first, name)!r} != {getattr(spec, name)!r}")
+        window = next(iter(windows), None)
+        chunk = next(iter(chunks), None)
+        if window is not None and chunk is not None:
+            raise KVCacheSpecMismatchError(
+                "Model with both sliding window layers and chunked local attention layers "
+                "is not supported.")
+        return replace(first, sliding_window=window, attention_chunk_size=chunk)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Each token attends to the last ``sliding_window`` tokens only."""
+
+    sliding_window: int
+    head_size_v: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return (self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v)
+                * get_dtype_size(self.dtype))
+
+    def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
+                                         max_model_len: int) -> int:
+        tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return cdiv(tokens, self.block_size) + 1
+
+    def max_memory_usage_bytes(self, max_model_len: int,
+                               max_num_batched_tokens: int | None = None) -> int:
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max_model_len
+        return (self.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+                * self.page_size_bytes)
+
+
+@dataclass
+class KVCacheTensor:
+    """One raw buffer of ``size`` bytes, used by every layer in ``shared_by``."""
+
+    size: int
+    shared_by: list[str]
+
+
+@dataclass
+class KVCacheGroupSpec:
+    """Layers that share one block table because their specs are the same."""
+
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+    is_eagle_group: bool = False
+
+
+@dataclass
+class KVCacheConfig:
+    """How many blocks, which raw buffers, and which groups of layers use them."""
+
+    num_blocks: int
+    kv_cache_tensors: list[KVCacheTensor]
+    kv_cache_groups: list[KVCacheGroupSpec]
+
+    @property
+    def has_mamba_layers(self) -> bool:
+        return False
+
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        return self.has_mamba_layers
