@@ -16,6 +16,9 @@ from paged_attention.viz.manager import (
     OwnerRun, draw_pool_over_time, draw_pools_over_time, draw_sharing_savings, event_steps, owner_runs,
     request_color,
 )
+from paged_attention.viz.kv_cache import (
+    KVPage, draw_element_order, draw_raw_to_views, draw_shared_tensors, element_order, kv_dim_of, kv_pages,
+)
 from paged_attention.viz.memory import draw_waste_breakdown
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
 from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
@@ -44,4 +47,6 @@ __all__ = [
     "StagedWrite", "staged_writes", "apply_writes", "draw_staged_writes", "UvaSnapshot", "snapshot_uva",
     "draw_uva_counters", "gather_kinds", "draw_gather", "SlotProgram", "seed_slot_programs", "fast_slot_programs",
     "draw_slot_mapping_grid", "draw_v2_step_times",
+    "KVPage", "kv_pages", "kv_dim_of", "draw_raw_to_views", "element_order", "draw_element_order",
+    "draw_shared_tensors",
 ]
