@@ -249,3 +249,23 @@ def test_build_attn_metadata():
     assert m0.num_actual_tokens == 5 and m0.causal is True and m0.max_seq_len == 9
     with pytest.raises(ValueError):
         build_attn_metadata(groups, 2, 5, qsl, qsl, 3, seq_lens, 9, bts[:1], sms, cfg)
+
+
+@pytest.mark.parametrize("backend", [FlashAttentionBackend, FlashInferBackend, TritonAttentionBackend])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_padded_pages_keep_every_block_apart(backend, layout):
+    # A padded page (320 bytes for 256 of K and V): the block dimension steps by the padded
+    # page, whichever dimension it is, and no two elements of the view share bytes.
+    spec = FullAttentionSpec(16, 1, 4, torch.float16, page_size_padded=320)
+    cfg = KVCacheConfig(3, [KVCacheTensor(3 * 320, ["l0"])], [KVCacheGroupSpec(["l0"], spec)])
+    raw = _allocate_kv_cache(cfg, DEVICE)
+    view = _reshape_kv_cache(cfg, raw, {"l0": backend}, layout)["l0"]
+    assert tuple(view.shape) == backend.get_kv_cache_shape(3, 16, 1, 4)
+    block_dim = 1 if backend is FlashAttentionBackend else 0
+    assert view.stride(block_dim) == 320 // 2
+    flat = torch.arange(1, view.numel() + 1, dtype=torch.float16)
+    view.copy_(flat.reshape(view.shape))                   # a distinct value in every element...
+    assert torch.equal(view.reshape(-1), flat)             # ...all still there: nothing overlaps
+    for n in range(3):                                      # and each block inside its own page
+        lo, hi = n * 320, n * 320 + 256
+        assert lo <= view.select(block_dim, n).data_ptr() - raw["l0"].data_ptr() < hi

@@ -237,10 +237,22 @@ def _reshape_kv_cache(kv_cache_config: KVCacheConfig,
             if spec.page_size_padded is None:
                 view = typed.view(physical)
             else:
-                strides = [1] * len(physical)
-                for d in range(len(physical) - 2, -1, -1):
-                    strides[d] = strides[d + 1] * physical[d + 1]
-                strides[0] = page_size // get_dtype_size(spec.dtype)
+                # A padded page: each block's page starts page_size bytes after the previous
+                # one, so the *block* dimension gets that stride and every other dimension is
+                # laid out contiguously inside the page, in physical order. The block dimension
+                # is the one that changes with num_blocks (not always the outermost: it is the
+                # second in FlashAttention's (2, N, B, H, D), where giving the padded stride to
+                # dimension 0 made K and V pages overlap).
+                grown = backend.get_kv_cache_shape(num_blocks + 1, shape_bs, spec.num_kv_heads,
+                                                   spec.head_size, cache_dtype_str=cache_dtype)
+                block_dim = order.index(next(i for i, (a, b) in enumerate(zip(shape, grown)) if a != b))
+                strides = [0] * len(physical)
+                inner = 1
+                for d in range(len(physical) - 1, -1, -1):
+                    if d != block_dim:
+                        strides[d] = inner
+                        inner *= physical[d]
+                strides[block_dim] = page_size // get_dtype_size(spec.dtype)
                 view = torch.as_strided(typed, physical, strides)
             kv_caches[name] = view.permute(*inverse)
     for name, target in shared.items():
