@@ -32,13 +32,15 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"Unknown cache layout format {layout!r}; expected 'NHD' or 'HND'.")
 
 
-def _check_dims(num_blocks, block_size, num_kv_heads, head_size) -> None:
+def _check_dims(num_blocks, block_size, num_kv_heads, head_size, multiple_of_16: bool = False) -> None:
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {value!r}")
         if value < (0 if name == "num_blocks" else 1):
             raise ValueError(f"{name} must be positive, got {value}")
+    if multiple_of_16 and block_size % 16 != 0:
+        raise ValueError("Block size must be a multiple of 16.")
 
 
 class AttentionBackend:
@@ -99,9 +101,7 @@ class FlashAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        _check_dims(num_blocks, block_size, num_kv_heads, head_size)
-        if block_size % 16 != 0:
-            raise ValueError("Block size must be a multiple of 16.")
+        _check_dims(num_blocks, block_size, num_kv_heads, head_size, multiple_of_16=True)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
@@ -145,9 +145,7 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        _check_dims(num_blocks, block_size, num_kv_heads, head_size)
-        if block_size % 16 != 0:
-            raise ValueError("Block size must be a multiple of 16.")
+        _check_dims(num_blocks, block_size, num_kv_heads, head_size, multiple_of_16=True)
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
 

@@ -84,6 +84,19 @@ def int_list(value: Any, name: str) -> list[int]:
     return [int(v) for v in value]
 
 
+def snapshot_list(snapshots: Any, kind: type, made_by: str) -> list:
+    """``snapshots`` (one, or a non-empty list) as a list of ``kind``, else a clear error
+    naming the function that makes them (``made_by``)."""
+    if isinstance(snapshots, kind):
+        snapshots = [snapshots]
+    if not isinstance(snapshots, (list, tuple)) or not snapshots:
+        raise ValueError(f"snapshots must be a non-empty list of {kind.__name__}s ({made_by})")
+    for k, s in enumerate(snapshots):
+        if not isinstance(s, kind):
+            raise TypeError(f"snapshots[{k}] is a {type(s).__name__}, not a {kind.__name__}")
+    return list(snapshots)
+
+
 def times_series(times_us: Any, num_points: int, what: str, allow_gaps: bool = False) -> dict[str, list[float]]:
     """Check a benchmark's ``{implementation: [time per point]}`` and return it as floats.
 

@@ -26,7 +26,8 @@ from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v1.block_table import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank
 from paged_attention.viz.style import (
-    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
+    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, snapshot_list,
+    times_series,
 )
 
 STALE_COLOR = "#E45756"   # ids past a row's count: nothing reads them, but they are there
@@ -112,13 +113,7 @@ def request_colors(snapshots: Sequence[RowsSnapshot]) -> dict[str, str]:
 
 
 def _checked_snapshots(snapshots: Any) -> list[RowsSnapshot]:
-    if isinstance(snapshots, RowsSnapshot):
-        snapshots = [snapshots]
-    if not isinstance(snapshots, (list, tuple)) or not snapshots:
-        raise ValueError("snapshots must be a non-empty list of RowsSnapshots (snapshot_rows)")
-    for k, s in enumerate(snapshots):
-        if not isinstance(s, RowsSnapshot):
-            raise TypeError(f"snapshots[{k}] is a {type(s).__name__}, not a RowsSnapshot")
+    snapshots = snapshot_list(snapshots, RowsSnapshot, "snapshot_rows")
     shape = (len(snapshots[0].table), len(snapshots[0].table[0]))
     for s in snapshots:
         if (len(s.table), len(s.table[0])) != shape:

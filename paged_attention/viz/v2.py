@@ -25,7 +25,8 @@ from matplotlib.patches import Patch, Rectangle
 from paged_attention.utils import cdiv
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
 from paged_attention.viz.style import (
-    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
+    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, snapshot_list,
+    times_series,
 )
 
 STALE_COLOR = "#E45756"     # ids past a row's count (nothing reads them, but they are there)
@@ -252,13 +253,7 @@ def draw_uva_counters(snapshots: Any, row_labels: Sequence[str] | None = None, a
     launched before the last ``copy_to_uva``) are grey. ``row_labels`` names the rows (e.g. the
     KV-cache groups).
     """
-    if isinstance(snapshots, UvaSnapshot):
-        snapshots = [snapshots]
-    if not isinstance(snapshots, (list, tuple)) or not snapshots:
-        raise ValueError("snapshots must be a non-empty list of UvaSnapshots (snapshot_uva)")
-    for k, s in enumerate(snapshots):
-        if not isinstance(s, UvaSnapshot):
-            raise TypeError(f"snapshots[{k}] is a {type(s).__name__}, not a UvaSnapshot")
+    snapshots = snapshot_list(snapshots, UvaSnapshot, "snapshot_uva")
     rows, cols = len(snapshots[0].host), len(snapshots[0].host[0])
     num_bufs = len(snapshots[0].buffers)
     for s in snapshots:
