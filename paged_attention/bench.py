@@ -88,7 +88,7 @@ class DecodeTiming:
 
 def time_decode(p: DecodeProblem, context: int, *, num_splits: int | None = None,
                 launch: tuple[int, int, int] | None = None, rep: int = 200,
-                flush: str = "write") -> DecodeTiming:
+                flush: str = "write", kv_evict: str = "") -> DecodeTiming:
     """Time the Triton decode kernel on a prepared problem (index checks off: the tables are ours)."""
     out = torch.empty_like(p.query)
     batch = p.query.size(0)
@@ -96,7 +96,7 @@ def time_decode(p: DecodeProblem, context: int, *, num_splits: int | None = None
 
     def run():
         paged_attention_decode(out, *p.decode_args(), num_splits=splits, max_seq_len=context,
-                               check_ids=False, launch=launch)
+                               check_ids=False, launch=launch, kv_evict=kv_evict)
     return DecodeTiming(batch, context, splits, graph_time_ms(run, rep, flush), p.kv_bytes_read)
 
 
@@ -165,6 +165,40 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
                  else f" {'-':>11} {'-':>12}")
         print_fn(line)
         rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+# Shapes whose KV reads range from ~1x to ~5x the size of an H100/H200's L2 (50 MB).
+L2_HINT_SHAPES = ((8, 2048), (64, 512), (32, 1024), (64, 1024), (64, 4096), (4, 32768))
+
+
+def l2_hint_table(shapes=L2_HINT_SHAPES, print_fn=print) -> list[dict]:
+    """The default (pipelined, no hint) launch against an unpipelined one whose K/V loads carry
+    ``evict_first``, timed after a write flush (dirty L2) and after a read flush (clean L2).
+
+    The trade ``choose_launch`` explains: the hint saves writing back what the flush left dirty,
+    the pipeline hides memory latency; which wins depends on the state of L2 and on the size of
+    the read. Fractions of a copy timed with the same flush.
+    """
+    warm_up()
+    bw = {flush: copy_bandwidth(flush=flush) for flush in ("write", "read")}
+    print_fn(f"device: {torch.cuda.get_device_name()}; fraction of a copy; default = pipelined, no hint; "
+             f"hinted = launch (64, 4, 1) with kv_evict='evict_first'")
+    print_fn(f"{'batch':>5} {'context':>7} {'KV MB':>6} | {'dirty L2: default':>17} {'hinted':>7} | "
+             f"{'clean L2: default':>17} {'hinted':>7}")
+    rows = []
+    for batch, context in shapes:
+        p = make_decode_problem([context] * batch, device="cuda", **MODEL)
+        row = {"batch": batch, "context": context}
+        for flush in ("write", "read"):
+            for name, kw in (("default", {}), ("hinted", dict(launch=(64, 4, 1), kv_evict="evict_first"))):
+                t = time_decode(p, context, flush=flush, **kw)
+                row[flush, name] = t.bandwidth / bw[flush]
+        print_fn(f"{batch:>5} {context:>7} {p.kv_bytes_read / 1e6:>6.0f} | {row['write', 'default']:>17.3f} "
+                 f"{row['write', 'hinted']:>7.3f} | {row['read', 'default']:>17.3f} {row['read', 'hinted']:>7.3f}")
+        rows.append(row)
+        del p
         torch.cuda.empty_cache()
     return rows
 

@@ -61,6 +61,7 @@ def _paged_decode_kernel(
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
+    KV_EVICT: tl.constexpr,                     # L2 eviction hint for the K/V loads ("" = none)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,9 +103,9 @@ def _paged_decode_kernel(
             row = row.to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0)                                   # [TILE_N, BLOCK_D]
+                    mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)         # [TILE_N, BLOCK_D]
         v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_G, TILE_N]
         if USE_ALIBI:
@@ -200,6 +201,16 @@ def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -
     three steps deep; two when the context is split, since each program then runs a short loop
     and more programs fit on a multiprocessor. These won a sweep on an H200
     (``benchmarks/bench_decode.py --sweep``) by a few percent over their neighbours.
+
+    Why no L2 hint (``kv_evict``) by default, though every key and value is read once and
+    "evict first" would keep them from pushing out what other kernels left in L2 (H200, Triton
+    3.6): the pipeliner turns the loads into cp.async copies and drops the hint, so it only
+    reaches the hardware unpipelined (``num_stages=1``). Whether that trade pays depends on L2:
+    after a flush that writes (``do_bench``'s, leaving ~50 MB of dirty lines that normal loads
+    must write back as they evict them), the unpipelined hinted kernel wins on small reads
+    (64 x 512: 0.71-0.72 of a copy against 0.67-0.68); with clean lines in L2 (a read flush, or a
+    decode step whose earlier kernels mostly read weights) it loses 5-13% everywhere (64 x 512:
+    0.72 against 0.83). ``bench.l2_hint_table`` measures both sides.
     """
     if device.type != "cuda":
         # Interpreter: few, large steps (its cost is per operation, not per byte).
@@ -221,6 +232,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     check_ids: bool = True,
     launch: tuple[int, int, int] | None = None,
+    kv_evict: str = "",
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -232,6 +244,8 @@ def paged_attention_decode(
     ``max_seq_len`` saves a device-to-host read when ``check_ids=False``. ``check_ids=False``
     skips the index checks, which copy the tables to the host: only for tables known good.
     ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default: ``choose_launch``), for tuning.
+    ``kv_evict="evict_first"`` asks L2 to drop the K/V lines first (each is read once); it only
+    reaches the hardware with ``num_stages == 1`` (see ``choose_launch`` for when that pays).
     """
     longest = check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                        alibi_slopes, check_ids=check_ids, out=out)
@@ -253,6 +267,8 @@ def paged_attention_decode(
     tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len, num_splits)
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"TILE_N must be a power of two >= 16, got {tile_n}")
+    if kv_evict not in ("", "evict_first", "evict_last"):
+        raise ValueError(f"kv_evict must be '', 'evict_first' or 'evict_last', got {kv_evict!r}")
     # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
     tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), tile_n) * tile_n
     num_splits = cdiv(max_seq_len, tokens_per_split)
@@ -279,7 +295,7 @@ def paged_attention_decode(
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=num_splits > 1,
         USE_ALIBI=use_alibi, DOT_PRECISION="ieee" if fp32 else "tf32",
-        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
+        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31, KV_EVICT=kv_evict,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
