@@ -263,7 +263,7 @@ def test_padded_pages_keep_every_block_apart(backend, layout):
     assert tuple(view.shape) == backend.get_kv_cache_shape(3, 16, 1, 4)
     block_dim = 1 if backend is FlashAttentionBackend else 0
     assert view.stride(block_dim) == 320 // 2
-    flat = torch.arange(1, view.numel() + 1, dtype=torch.float16)
+    flat = torch.arange(1, view.numel() + 1, dtype=torch.float16, device=view.device)
     view.copy_(flat.reshape(view.shape))                   # a distinct value in every element...
     assert torch.equal(view.reshape(-1), flat)             # ...all still there: nothing overlaps
     for n in range(3):                                      # and each block inside its own page
