@@ -208,9 +208,9 @@ def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -
     reaches the hardware unpipelined (``num_stages=1``). Whether that trade pays depends on L2:
     after a flush that writes (``do_bench``'s, leaving ~50 MB of dirty lines that normal loads
     must write back as they evict them), the unpipelined hinted kernel wins on small reads
-    (64 x 512: 0.71-0.72 of a copy against 0.67-0.68); with clean lines in L2 (a read flush, or a
+    (64 x 512: 0.70-0.72 of a copy against 0.67-0.68); with clean lines in L2 (a read flush, or a
     decode step whose earlier kernels mostly read weights) it loses 5-13% everywhere (64 x 512:
-    0.72 against 0.83). ``bench.l2_hint_table`` measures both sides.
+    0.72 against 0.81-0.83). ``bench.l2_hint_table`` measures both sides.
     """
     if device.type != "cuda":
         # Interpreter: few, large steps (its cost is per operation, not per byte).
