@@ -65,7 +65,9 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def real_page_size_bytes(self) -> int:
-        return (2 * self.block_size * self.num_kv_heads * self.head_size
+        # Specs with a ``head_size_v`` (full and sliding-window attention) size V pages by it.
+        head_size_v = getattr(self, "head_size_v", None) or self.head_size
+        return (self.block_size * self.num_kv_heads * (self.head_size + head_size_v)
                 * get_dtype_size(self.dtype))
 
     @property
@@ -90,11 +92,6 @@ class FullAttentionSpec(AttentionSpec):
     def __post_init__(self) -> None:
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return (self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v)
-                * get_dtype_size(self.dtype))
 
     def max_memory_usage_bytes(self, max_model_len: int) -> int:
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
@@ -143,11 +140,6 @@ class SlidingWindowSpec(AttentionSpec):
     def __post_init__(self) -> None:
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return (self.block_size * self.num_kv_heads * (self.head_size + self.head_size_v)
-                * get_dtype_size(self.dtype))
 
     def max_admission_blocks_per_request(self, max_num_batched_tokens: int,
                                          max_model_len: int) -> int:

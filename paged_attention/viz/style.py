@@ -84,6 +84,14 @@ def int_list(value: Any, name: str) -> list[int]:
     return [int(v) for v in value]
 
 
+def positive_int_list(value: Any, name: str) -> list[int]:
+    """``int_list``, which must also be non-empty and hold only positive ints (sizes on an axis)."""
+    values = int_list(value, name)
+    if not values or min(values) <= 0:
+        raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
+    return values
+
+
 def snapshot_list(snapshots: Any, kind: type, made_by: str) -> list:
     """``snapshots`` (one, or a non-empty list) as a list of ``kind``, else a clear error
     naming the function that makes them (``made_by``)."""

@@ -26,8 +26,8 @@ from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v1.block_table import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank
 from paged_attention.viz.style import (
-    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, snapshot_list,
-    times_series,
+    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, positive_int_list, seq_color,
+    snapshot_list, times_series,
 )
 
 STALE_COLOR = "#E45756"   # ids past a row's count: nothing reads them, but they are there
@@ -462,9 +462,7 @@ def draw_slot_mapping_times(num_tokens: Sequence[int], times_us: dict[str, Seque
                             title: str | None = None) -> Any:
     """Time per call (µs) against the number of tokens in the step, one line per
     implementation (``bench.slot_mapping_times``'s result). Both axes are logarithmic."""
-    tokens = int_list(num_tokens, "num_tokens")
-    if not tokens or min(tokens) <= 0:
-        raise ValueError(f"num_tokens must be a non-empty list of positive ints, got {tokens!r}")
+    tokens = positive_int_list(num_tokens, "num_tokens")
     series = times_series(times_us, len(tokens), "token counts")
     return plot_times(new_axes(ax, figsize=(6.0, 4.0)), tokens, series, "tokens in the step",
                       "time per call (µs, log scale)",

@@ -25,8 +25,8 @@ from matplotlib.patches import Patch, Rectangle
 from paged_attention.utils import cdiv
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
 from paged_attention.viz.style import (
-    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, seq_color, snapshot_list,
-    times_series,
+    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, positive_int_list, seq_color,
+    snapshot_list, times_series,
 )
 
 STALE_COLOR = "#E45756"     # ids past a row's count (nothing reads them, but they are there)
@@ -588,9 +588,7 @@ def draw_v2_step_times(batch_sizes: Sequence[int], times_us: dict[str, Sequence[
     """Time per step (µs) against the number of requests in the batch, one line per
     implementation (v1's numpy step with its copies, v2 seed, v2 ours, ...). Both axes are
     logarithmic."""
-    sizes = int_list(batch_sizes, "batch_sizes")
-    if not sizes or min(sizes) <= 0:
-        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got {sizes!r}")
+    sizes = positive_int_list(batch_sizes, "batch_sizes")
     series = times_series(times_us, len(sizes), "batch sizes")
     return plot_times(new_axes(ax, figsize=(6.5, 4.0)), sizes, series, "requests in the batch",
                       "time per step (µs, log scale)",
