@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paged_attention.utils import cdiv, next_power_of_2
+from paged_attention.utils import cdiv, check_int, next_power_of_2
 
 SCHEMES: tuple[str, ...] = ("max", "pow2", "oracle", "paged")
 
@@ -42,15 +42,6 @@ CATEGORIES: tuple[str, ...] = (
 )
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int >= ``minimum``; otherwise raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 # --------------------------------------------------------------------------------------------
 # 1. Requests and a synthetic trace
 # --------------------------------------------------------------------------------------------
@@ -63,8 +54,8 @@ class Request:
     output_len: int
 
     def __post_init__(self) -> None:
-        _check_int("prompt_len", self.prompt_len, 1)
-        _check_int("output_len", self.output_len, 0)
+        check_int("prompt_len", self.prompt_len, 1)
+        check_int("output_len", self.output_len, 0)
 
     @property
     def total_len(self) -> int:
@@ -80,8 +71,8 @@ def synthetic_trace(num_requests: int, mean_input: float = 161, mean_output: flo
     few long requests and many short ones, which is what makes reserving for the worst case so
     wasteful. Each length is at least 1 and prompt + output is clipped to ``max_model_len``.
     """
-    _check_int("num_requests", num_requests, 0)
-    _check_int("max_model_len", max_model_len, 2)
+    check_int("num_requests", num_requests, 0)
+    check_int("max_model_len", max_model_len, 2)
     for name, mean in (("mean_input", mean_input), ("mean_output", mean_output)):
         if not isinstance(mean, (int, float)) or not mean >= 1:
             raise ValueError(f"{name} must be a number >= 1, got {mean!r}")
@@ -218,9 +209,9 @@ def simulate(trace: list[Request], scheme: str, *, capacity_tokens: int = 16384,
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(map(repr, SCHEMES))}; got {scheme!r}")
-    _check_int("capacity_tokens", capacity_tokens, 1)
-    _check_int("max_model_len", max_model_len, 1)
-    _check_int("block_size", block_size, 1)
+    check_int("capacity_tokens", capacity_tokens, 1)
+    check_int("max_model_len", max_model_len, 1)
+    check_int("block_size", block_size, 1)
     if capacity_tokens < max_model_len or (capacity_tokens // block_size) * block_size < max_model_len:
         raise ValueError(
             f"capacity_tokens ({capacity_tokens}) must hold one request of max_model_len "

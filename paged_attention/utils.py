@@ -8,6 +8,7 @@ import enum
 from typing import Iterator, Sequence, TypeVar
 
 import numpy as np
+import torch
 
 T = TypeVar("T")
 
@@ -65,3 +66,35 @@ def check_count(name: str, value: object, maximum: int, max_name: str) -> int:
     if not 0 <= value <= maximum:
         raise ValueError(f"{name} must be between 0 and {max_name}={maximum}, got {value}")
     return int(value)
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that this machine has.
+
+    Takes a ``torch.device``, a device string (``"cpu"``, ``"cuda:0"``, ``"meta"``) or a GPU
+    index. TypeError for anything else, ValueError for a string torch cannot parse or a GPU this
+    machine lacks, so a bad device fails here with its name rather than deep inside torch.
+    """
+    if isinstance(device, torch.device):
+        dev = device
+    elif is_int(device):
+        if device < 0:
+            raise ValueError(f"{name} must be a GPU index >= 0, got {device}")
+        dev = torch.device("cuda", int(device))
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{name} must name a torch device such as 'cpu' or 'cuda:0', "
+                             f"got {device!r}") from None
+    else:
+        raise TypeError(f"{name} must be a torch.device, a device string or a GPU index, "
+                        f"got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} is {dev}, but torch sees no CUDA device; use "
+                             f"paged_attention.DEVICE")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} is {dev}, but torch sees only "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from paged_attention.exercises import as_int_list, report
+from paged_attention.exercises import as_int, as_int_list, report
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
 from paged_attention.utils import Device
@@ -24,6 +24,8 @@ def cow_after_fork(refcounts: Sequence[int], pair: tuple[int, int], prompt_len: 
     """Exercise 1: a prompt is allocated in a fresh pool, forked, and the fork appends one token.
     The reference counts of blocks 0, 1, 2, ... (one more than the prompt took), then the
     copy-on-write pair ``(src, dst)`` recorded."""
+    answer_counts = as_int_list(refcounts, "refcounts")
+    answer_pair = tuple(as_int_list(pair, "pair")) if pair is not None else None
     allocator = _naive(8, block_size)
     parent = BlockTable(block_size, allocator)
     parent.allocate(list(range(prompt_len)))
@@ -32,9 +34,8 @@ def cow_after_fork(refcounts: Sequence[int], pair: tuple[int, int], prompt_len: 
     expected_counts = pool_refcounts(allocator)[:len(parent.physical_block_ids) + 1]
     cows = allocator.clear_copy_on_writes()
     expected_pair = cows[0] if cows else None
-    answer_pair = tuple(as_int_list(pair, "pair")) if pair is not None else None
     return report(
-        as_int_list(refcounts, "refcounts") == expected_counts and answer_pair == expected_pair,
+        answer_counts == expected_counts and answer_pair == expected_pair,
         f"reference counts {expected_counts}: the fork wrote into the shared block {expected_pair[0]} and "
         f"moved to block {expected_pair[1]}" if expected_pair else
         f"reference counts {expected_counts}, and nothing was copied",
@@ -95,7 +96,7 @@ def window_table(ids: Sequence[int], num_free: int) -> bool:
     expected = table.physical_block_ids
     free = allocator.get_num_free_blocks(Device.GPU)
     return report(
-        (as_int_list(ids, "ids"), num_free) == (expected, free),
+        (as_int_list(ids, "ids"), as_int(num_free, "num_free")) == (expected, free),
         f"{expected} with {free} free: block 2 leaves the window (20 // 4 - 2 = 3 blocks dropped) and is "
         "freed first, so the new block gets its id straight back",
         "first every block before index num_computed_slots // block_size - window is freed and replaced "

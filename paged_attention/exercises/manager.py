@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence as SequenceT
 
-from paged_attention.exercises import report
+from paged_attention.exercises import as_choice, as_int, report
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.interfaces import AllocStatus
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -17,16 +17,7 @@ def _status(answer: object, name: str) -> AllocStatus:
     """An ``AllocStatus``, or its name ("OK", "LATER", "NEVER", any case)."""
     if isinstance(answer, AllocStatus):
         return answer
-    if isinstance(answer, str) and answer.strip().upper() in AllocStatus.__members__:
-        return AllocStatus[answer.strip().upper()]
-    raise TypeError(f"{name} must be AllocStatus.OK / LATER / NEVER or one of the strings 'OK', 'LATER', "
-                    f"'NEVER', got {answer!r}")
-
-
-def _count(answer: object, name: str) -> int:
-    if isinstance(answer, bool) or not isinstance(answer, int):
-        raise TypeError(f"{name} must be an int, got {answer!r}")
-    return answer
+    return AllocStatus[as_choice(answer, name, list(AllocStatus.__members__))]
 
 
 def _group(request_id: str, prompt: SequenceT[int], n: int, block_size: int, first_id: int = 0) -> SequenceGroup:
@@ -82,7 +73,7 @@ def parallel_sampling(num_blocks: object, num_copies: object, prompt_len: int = 
     """Exercise 2: a 13-token prompt, blocks of 4, n = 4 samples. After the first decode step
     (each sample appends its own first token), how many GPU blocks does the group hold, and how
     many copy-on-write pairs did ``append_slots`` return in all?"""
-    answer = (_count(num_blocks, "num_blocks"), _count(num_copies, "num_copies"))
+    answer = (as_int(num_blocks, "num_blocks"), as_int(num_copies, "num_copies"))
     mgr, _, copies = _after_first_decode(prompt_len, n, block_size)
     held = mgr.num_total_gpu_blocks - mgr.get_num_free_gpu_blocks()
     full = prompt_len // block_size
@@ -103,7 +94,7 @@ def swap_footprint(cpu_blocks: object, gpu_blocks: object, prompt_len: int = 13,
     """Exercise 3: exercise 2's group is swapped out after its first decode step, then back in
     (naive allocator). How many CPU blocks does it take while it is out, and how many GPU blocks
     once it is back?"""
-    answer = (_count(cpu_blocks, "cpu_blocks"), _count(gpu_blocks, "gpu_blocks"))
+    answer = (as_int(cpu_blocks, "cpu_blocks"), as_int(gpu_blocks, "gpu_blocks"))
     mgr, group, _ = _after_first_decode(prompt_len, n, block_size)
     before = mgr.num_total_gpu_blocks - mgr.get_num_free_gpu_blocks()
     mgr.swap_out(group)

@@ -1,7 +1,7 @@
 """Exercises of ``00_overview.ipynb``."""
 from __future__ import annotations
 
-from paged_attention.exercises import report
+from paged_attention.exercises import as_choice, as_int, report
 from paged_attention.memory_sim import simulate, synthetic_trace
 from paged_attention.utils import cdiv
 from paged_attention.viz import slot_mapping
@@ -10,10 +10,11 @@ from paged_attention.viz import slot_mapping
 def blocks_for_request(blocks: int, wasted_slots: int, prompt_len: int = 161, output_len: int = 338,
                        block_size: int = 16) -> bool:
     """Exercise 1: blocks a finished request holds, and the slots of its last block left empty."""
+    answer = (as_int(blocks, "blocks"), as_int(wasted_slots, "wasted_slots"))
     total = prompt_len + output_len
     need = cdiv(total, block_size)
     return report(
-        (blocks, wasted_slots) == (need, need * block_size - total),
+        answer == (need, need * block_size - total),
         f"{total} tokens fill {need} blocks of {block_size}, leaving {need * block_size - total} slots empty",
         "a request of n tokens needs ceil(n / block_size) blocks; only the last one can be partly empty",
     )
@@ -22,6 +23,7 @@ def blocks_for_request(blocks: int, wasted_slots: int, prompt_len: int = 161, ou
 def slot_of(answer: int, block_table: list[list[int]], seq_lens: list[int], seq: int, token: int,
             block_size: int) -> bool:
     """Exercise 2: the slot that token ``token`` of sequence ``seq`` is written to."""
+    answer = as_int(answer, "answer")
     start = sum(seq_lens[:seq])
     expected = slot_mapping(block_table, seq_lens, block_size)[start + token]
     return report(
@@ -34,8 +36,7 @@ def slot_of(answer: int, block_table: list[list[int]], seq_lens: list[int], seq:
 
 def bigger_blocks(answer: str, block_sizes: tuple[int, int] = (16, 128), num_requests: int = 300) -> bool:
     """Exercise 3: does paging's useful share go 'up' or 'down' when blocks grow from 16 to 128?"""
-    if answer not in ("up", "down"):
-        raise ValueError(f"answer must be 'up' or 'down', got {answer!r}")
+    answer = as_choice(answer, "answer", ("up", "down"))
     trace = synthetic_trace(num_requests, seed=1)
     small, large = (simulate(trace, "paged", block_size=b).useful for b in block_sizes)
     expected = "up" if large > small else "down"

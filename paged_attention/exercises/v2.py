@@ -26,6 +26,7 @@ def slot_mapping(answer: Sequence[int], rows: dict[int, Sequence[int]] | None = 
     """Exercise 1: request state 0 holds blocks [9], state 3 holds [4, 12, 7] (blocks of 16).
     The batch is ``idx_mapping = [0, 3]`` with ``query_start_loc = [0, 2, 3]`` and ``positions =
     [14, 15, 40]``. What are the three tokens' slots?"""
+    answer = as_int_list(answer, "answer")      # read first: a wrong type launches nothing
     rows = {0: [9], 3: [4, 12, 7]} if rows is None else {int(k): [int(b) for b in v] for k, v in rows.items()}
     num_tokens = len(positions)
     bt = BlockTables([block_size], max(rows) + 1, max(num_tokens, 1),
@@ -38,7 +39,7 @@ def slot_mapping(answer: Sequence[int], rows: dict[int, Sequence[int]] | None = 
     first = positions[0]
     state = idx_mapping[0]
     return report(
-        as_int_list(answer, "answer") == expected,
+        answer == expected,
         f"slots {expected}: token 0 is batch position 0, so request state {state}; position {first} is column "
         f"{first // block_size} of that row (block {rows[state][first // block_size]}), offset {first % block_size}",
         "find each token's batch position from query_start_loc, its request state through idx_mapping, then "
@@ -53,6 +54,7 @@ def gathered_rows(row0: Sequence[int], row1: Sequence[int]) -> bool:
     (``overwrite=True``), C gets block 11 (``overwrite=False``); the batch is ``idx_mapping = [2,
     0]``. After step 2's gather, what do rows 0 and 1 of ``input_block_tables[0]`` hold, all six
     columns?"""
+    answer = (as_int_list(row0, "row0"), as_int_list(row1, "row1"))
     bt = BlockTables([4], 4, 16, 24, runtime.DEVICE)
     for state, ids in ((0, [3, 7, 10, 12]), (1, [5]), (2, [2, 9])):
         bt.append_block_ids(state, (ids,), overwrite=True)
@@ -64,7 +66,7 @@ def gathered_rows(row0: Sequence[int], row1: Sequence[int]) -> bool:
     table = bt.gather_block_tables(_i32([2, 0]))[0].tolist()
     expected = (table[0], table[1])
     return report(
-        (as_int_list(row0, "row0"), as_int_list(row1, "row1")) == expected,
+        answer == expected,
         f"row 0 is {expected[0]} and row 1 is {expected[1]}: the gather copies only a request's num_blocks "
         f"columns, so each row keeps what step 1 left after them (A's 12 in row 0, C's 9 in row 1)",
         "row b gets the first num_blocks columns of request state idx_mapping[b]; the columns after them are "
@@ -78,13 +80,14 @@ def block_counts(host: int, device: int) -> bool:
     overwrite=False)``. Before the next ``apply_staged_writes()``, what count does the host see
     (``num_blocks.np[0, 1]``), and what count does a kernel launched now read
     (``num_blocks.gpu[0, 1]``)?"""
+    answer = (as_int(host, "host"), as_int(device, "device"))
     bt = BlockTables([16], 4, 16, 128, runtime.DEVICE)
     bt.append_block_ids(1, ([4, 5, 6],), overwrite=True)
     bt.apply_staged_writes()
     bt.append_block_ids(1, ([20, 21],), overwrite=False)
     expected = (int(bt.num_blocks.np[0, 1]), int(bt.num_blocks.gpu[0, 1]))
     return report(
-        (as_int(host, "host"), as_int(device, "device")) == expected,
+        answer == expected,
         f"the host says {expected[0]} at once (append_block_ids updates num_blocks.np), the GPU still reads "
         f"{expected[1]}: num_blocks.gpu is the pinned buffer of the last copy_to_uva, which only "
         f"apply_staged_writes() refreshes",

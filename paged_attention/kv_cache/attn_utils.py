@@ -15,6 +15,7 @@ The path, as in ``vllm/v1/worker/gpu/attn_utils.py``:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from paged_attention.kv_cache.backends import AttentionBackend
 from paged_attention.kv_cache.interface import (
     AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, get_dtype_size)
 from paged_attention.kv_cache.layer import Attention
-from paged_attention.utils import check_int
+from paged_attention.utils import check_device, check_int
 
 
 class KVCacheInitError(ValueError, AssertionError):
@@ -32,7 +33,37 @@ class KVCacheInitError(ValueError, AssertionError):
     ValueErrors that are also AssertionErrors."""
 
 
+def _check_config(kv_cache_config: object) -> KVCacheConfig:
+    """``kv_cache_config`` if it is a well-formed ``KVCacheConfig`` (its fields are re-checked:
+    they can be edited after construction); TypeError/ValueError otherwise."""
+    if not isinstance(kv_cache_config, KVCacheConfig):
+        raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+    kv_cache_config.validate()
+    return kv_cache_config
+
+
+def _check_shared_layers(shared_kv_cache_layers: object) -> dict[str, str]:
+    """``{sharing layer: target layer}`` (None: no sharing); TypeError for anything else."""
+    if shared_kv_cache_layers is None:
+        return {}
+    if not isinstance(shared_kv_cache_layers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in shared_kv_cache_layers.items()):
+        raise TypeError("shared_kv_cache_layers must be a dict of layer name -> target layer "
+                        f"name, got {shared_kv_cache_layers!r}")
+    return shared_kv_cache_layers
+
+
 # ---- specs ---------------------------------------------------------------------------------------
+def _check_layers(attn_layers: object) -> None:
+    """TypeError unless ``attn_layers`` is a dict of layer name -> ``Attention``."""
+    if not isinstance(attn_layers, dict):
+        raise TypeError(f"attn_layers must be a dict of name -> Attention, got "
+                        f"{type(attn_layers).__name__}")
+    for name, layer in attn_layers.items():
+        if not isinstance(layer, Attention):
+            raise TypeError(f"layer {name!r} is not an Attention, got {type(layer).__name__}")
+
+
 def _validate_kv_sharing(attn_layers: dict[str, Attention]) -> dict[str, str]:
     """``{sharing layer: the layer whose cache it really uses}``; targets must come earlier."""
     names = list(attn_layers)
@@ -66,12 +97,7 @@ def get_kv_cache_spec(attn_layers: dict[str, Attention], block_size: int,
 
     Sharing targets are checked: they must exist and come before the layer (ValueError).
     """
-    if not isinstance(attn_layers, dict):
-        raise TypeError(f"attn_layers must be a dict of name -> Attention, got "
-                        f"{type(attn_layers).__name__}")
-    for name, layer in attn_layers.items():
-        if not isinstance(layer, Attention):
-            raise TypeError(f"layer {name!r} is not an Attention, got {type(layer).__name__}")
+    _check_layers(attn_layers)
     if not isinstance(kv_cache_dtype, torch.dtype):
         raise TypeError(f"kv_cache_dtype must be a torch.dtype, got {kv_cache_dtype!r}")
     check_int("block_size", block_size, 1)
@@ -86,6 +112,7 @@ def get_kv_cache_spec(attn_layers: dict[str, Attention], block_size: int,
 
 def get_shared_kv_cache_layers(attn_layers: dict[str, Attention]) -> dict[str, str]:
     """``{sharing layer: target layer}`` for the layers that reuse another layer's cache."""
+    _check_layers(attn_layers)
     return _validate_kv_sharing(attn_layers)
 
 
@@ -106,6 +133,7 @@ def get_kv_cache_config(kv_cache_spec: dict[str, KVCacheSpec], available_memory:
     if not isinstance(kv_cache_spec, dict) or not kv_cache_spec:
         raise ValueError("kv_cache_spec must be a non-empty dict of layer name -> spec")
     check_int("available_memory", available_memory, 0)
+    shared_kv_cache_layers = _check_shared_layers(shared_kv_cache_layers)
     groups: list[tuple[KVCacheSpec, list[str]]] = []
     for name, spec in kv_cache_spec.items():
         if not isinstance(spec, KVCacheSpec):
@@ -121,6 +149,9 @@ def get_kv_cache_config(kv_cache_spec: dict[str, KVCacheSpec], available_memory:
         raise NotImplementedError(
             f"layers with different page sizes ({sorted(page_sizes)}) are not supported")
     page_size = page_sizes.pop()
+    # Specs check their fields, but a subclass computes its own page size: refuse a page that
+    # is not a positive int here rather than divide by it.
+    check_int("page_size_bytes of the specs", page_size, 1)
     group_size = max(len(names) for _, names in groups)
     if num_gpu_blocks_override is not None:
         num_blocks = check_int("num_gpu_blocks_override", num_gpu_blocks_override, 1)
@@ -138,7 +169,7 @@ def get_kv_cache_config(kv_cache_spec: dict[str, KVCacheSpec], available_memory:
                                   kv_cache_spec=type(spec).merge([kv_cache_spec[n]
                                                                   for n in names]))
                  for spec, names in groups]
-    for layer, target in (shared_kv_cache_layers or {}).items():
+    for layer, target in shared_kv_cache_layers.items():
         for group in kv_groups:
             if target in group.layer_names:
                 group.layer_names.append(layer)
@@ -156,6 +187,9 @@ def _allocate_kv_cache(kv_cache_config: KVCacheConfig, device: torch.device | st
                        ) -> dict[str, torch.Tensor]:
     """One zero-filled int8 tensor of ``size`` bytes per ``KVCacheTensor``; every layer in its
     ``shared_by`` maps to that same tensor object."""
+    kv_cache_config = _check_config(kv_cache_config)
+    device = check_device("device", device)
+    shared_kv_cache_layers = _check_shared_layers(shared_kv_cache_layers)
     raw: dict[str, torch.Tensor] = {}
     for kv_tensor in kv_cache_config.kv_cache_tensors:
         size = check_int("KVCacheTensor.size", kv_tensor.size, 1)
@@ -165,7 +199,7 @@ def _allocate_kv_cache(kv_cache_config: KVCacheConfig, device: torch.device | st
                 raise KVCacheInitError(f"layer {name!r} is in more than one KVCacheTensor")
             raw[name] = tensor
     expected = {name for group in kv_cache_config.kv_cache_groups
-                for name in group.layer_names} - set(shared_kv_cache_layers or {})
+                for name in group.layer_names} - set(shared_kv_cache_layers)
     if set(raw) != expected:
         raise KVCacheInitError(
             "Some layers are not correctly initialized: tensors cover "
@@ -187,11 +221,21 @@ def _reshape_kv_cache(kv_cache_config: KVCacheConfig,
     viewed in that physical shape and the view is permuted back. Sharing layers get their
     target's view object.
     """
-    shared = dict(shared_kv_cache_layers or {})
-    if kernel_block_sizes is not None and \
-            len(kernel_block_sizes) != len(kv_cache_config.kv_cache_groups):
-        raise ValueError(f"kernel_block_sizes has {len(kernel_block_sizes)} entries for "
-                         f"{len(kv_cache_config.kv_cache_groups)} KV-cache groups")
+    kv_cache_config = _check_config(kv_cache_config)
+    shared = dict(_check_shared_layers(shared_kv_cache_layers))
+    for what, mapping in (("kv_cache_raw_tensors", kv_cache_raw_tensors),
+                          ("attn_backends", attn_backends)):
+        if not isinstance(mapping, dict):
+            raise TypeError(f"{what} must be a dict keyed by layer name, got {mapping!r}")
+    if kernel_block_sizes is not None:
+        if not isinstance(kernel_block_sizes, (list, tuple)):
+            raise TypeError(f"kernel_block_sizes must be a list of ints (one per KV-cache "
+                            f"group) or None, got {kernel_block_sizes!r}")
+        if len(kernel_block_sizes) != len(kv_cache_config.kv_cache_groups):
+            raise ValueError(f"kernel_block_sizes has {len(kernel_block_sizes)} entries for "
+                             f"{len(kv_cache_config.kv_cache_groups)} KV-cache groups")
+        kernel_block_sizes = [check_int(f"kernel_block_sizes[{i}]", k, 1)
+                              for i, k in enumerate(kernel_block_sizes)]
     kv_caches: dict[str, torch.Tensor] = {}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -206,6 +250,9 @@ def _reshape_kv_cache(kv_cache_config: KVCacheConfig,
             if name not in attn_backends:
                 raise KVCacheInitError(f"no attention backend for layer {name!r}")
             raw = kv_cache_raw_tensors[name]
+            if not isinstance(raw, torch.Tensor):
+                raise TypeError(f"raw KV cache of {name!r} must be a torch.Tensor, got "
+                                f"{type(raw).__name__}")
             if raw.dtype != torch.int8 or raw.dim() != 1:
                 raise TypeError(f"raw KV cache of {name!r} must be a 1-D int8 tensor, got "
                                 f"{raw.dtype} with shape {tuple(raw.shape)}")
@@ -267,6 +314,8 @@ def _reshape_kv_cache(kv_cache_config: KVCacheConfig,
 
 def extract_layer_index(layer_name: str) -> int:
     """The one integer in a layer name ("model.layers.3.attn" -> 3)."""
+    if not isinstance(layer_name, str):
+        raise TypeError(f"a layer name must be a str, got {layer_name!r}")
     found = re.findall(r"\d+", layer_name)
     if len(found) != 1:
         raise ValueError(f"layer name {layer_name!r} must contain exactly one integer, "
@@ -274,19 +323,63 @@ def extract_layer_index(layer_name: str) -> int:
     return int(found[0])
 
 
+_UNBOUND = object()     # a layer that had no ``kv_cache`` attribute before a bind
+
+
+def _check_bind_targets(names: list[str], forward_context: Any,
+                        runner_kv_caches: Any) -> list[str]:
+    """Everything a bind of ``names`` needs, checked before anything is bound: an empty runner
+    list, a layer object in ``forward_context`` for every name, names with one layer index.
+    Returns the names in binding order (ascending layer index; ties keep their order)."""
+    if not isinstance(runner_kv_caches, list):
+        raise TypeError(f"runner_kv_caches must be a list, got {runner_kv_caches!r}")
+    if runner_kv_caches:
+        raise ValueError("runner_kv_caches must be empty before binding")
+    if not isinstance(forward_context, Mapping):
+        raise TypeError("forward_context must be a dict of layer name -> layer, got "
+                        f"{forward_context!r}")
+    missing = [name for name in names if name not in forward_context]
+    if missing:
+        raise KeyError(f"layer(s) {missing} not in forward_context: nothing was bound")
+    for name in names:
+        if forward_context[name] is None:
+            raise TypeError(f"forward_context[{name!r}] is None, not a layer")
+    return sorted(names, key=extract_layer_index)    # sorted() is stable
+
+
 def bind_kv_cache(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, Any],
                   runner_kv_caches: list[torch.Tensor], num_attn_module: int = 1) -> None:
     """Append the caches to ``runner_kv_caches`` in ascending layer index (ties keep their
-    order) and set ``forward_context[layer].kv_cache`` to the same object."""
-    if runner_kv_caches:
-        raise ValueError("runner_kv_caches must be empty before binding")
-    indexed = sorted(kv_caches, key=extract_layer_index)   # sorted() is stable
-    for name in indexed:
-        runner_kv_caches.append(kv_caches[name])
+    order) and set ``forward_context[layer].kv_cache`` to the same object.
+
+    All or nothing: the arguments are checked first, and a layer object that refuses the
+    attribute undoes the layers bound before it, so a refused call leaves every layer and the
+    runner list as they were and can simply be retried.
+    """
+    if not isinstance(kv_caches, dict):
+        raise TypeError(f"kv_caches must be a dict of layer name -> tensor, got {kv_caches!r}")
     for name, kv_cache in kv_caches.items():
-        if name not in forward_context:
-            raise KeyError(f"layer {name!r} is not in forward_context")
-        forward_context[name].kv_cache = kv_cache
+        if not isinstance(kv_cache, torch.Tensor):
+            raise TypeError(f"kv_caches[{name!r}] must be a torch.Tensor, got "
+                            f"{type(kv_cache).__name__}")
+    order = _check_bind_targets(list(kv_caches), forward_context, runner_kv_caches)
+    bound: list[tuple[Any, Any]] = []
+    for name, kv_cache in kv_caches.items():
+        layer = forward_context[name]
+        before = getattr(layer, "kv_cache", _UNBOUND)
+        try:
+            layer.kv_cache = kv_cache
+        except (AttributeError, TypeError) as e:
+            for done, old in reversed(bound):
+                if old is _UNBOUND:
+                    del done.kv_cache
+                else:
+                    done.kv_cache = old
+            raise TypeError(f"cannot bind the KV cache of layer {name!r}: its "
+                            f"{type(layer).__name__} object refuses .kv_cache ({e}); nothing "
+                            "was bound") from e
+        bound.append((layer, before))
+    runner_kv_caches.extend(kv_caches[name] for name in order)
 
 
 def init_kv_cache(runner_kv_caches: list[torch.Tensor], forward_context: dict[str, Any],
@@ -299,13 +392,24 @@ def init_kv_cache(runner_kv_caches: list[torch.Tensor], forward_context: dict[st
     """Allocate, reshape and bind; returns ``{layer: view}``.
 
     ``shared_kv_cache_layers`` defaults to the sharing targets of the layers in
-    ``forward_context`` (``Attention.kv_sharing_target_layer_name``).
+    ``forward_context`` (``Attention.kv_sharing_target_layer_name``). Every argument is checked
+    before anything is allocated or bound: a refused call changes no layer and no list.
     """
+    kv_cache_config = _check_config(kv_cache_config)
+    device = check_device("device", device)
+    if not isinstance(forward_context, Mapping):
+        raise TypeError("forward_context must be a dict of layer name -> layer, got "
+                        f"{forward_context!r}")
     if shared_kv_cache_layers is None:
         shared_kv_cache_layers = {
             name: layer.kv_sharing_target_layer_name
             for name, layer in forward_context.items()
             if getattr(layer, "kv_sharing_target_layer_name", None) is not None}
+    shared_kv_cache_layers = _check_shared_layers(shared_kv_cache_layers)
+    # The layers the bind will touch: every layer of a group, and every sharing layer.
+    names = list(dict.fromkeys([name for group in kv_cache_config.kv_cache_groups
+                                for name in group.layer_names] + list(shared_kv_cache_layers)))
+    _check_bind_targets(names, forward_context, runner_kv_caches)
     raw = _allocate_kv_cache(kv_cache_config, device,
                              shared_kv_cache_layers=shared_kv_cache_layers)
     kv_caches = _reshape_kv_cache(kv_cache_config, raw, attn_backends, layout,
@@ -363,6 +467,18 @@ class AttentionGroup:
         return self.metadata_builders[ubatch_id]
 
 
+def _check_rows(name: str, tensor: Any, need: int, what: str, dims: int | None = None) -> None:
+    """TypeError unless ``tensor`` is a tensor (of ``dims`` dimensions if given); ValueError
+    unless it has at least ``need`` rows (``what`` says where that number comes from)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() == 0 or (dims is not None and tensor.dim() != dims):
+        raise ValueError(f"{name} must have {dims or 'at least 1'} dimension(s), got shape "
+                         f"{tuple(tensor.shape)}")
+    if tensor.shape[0] < need:
+        raise ValueError(f"{name} has {tensor.shape[0]} entries, fewer than {what} = {need}")
+
+
 def build_attn_metadata(attn_groups: list[list[AttentionGroup]], num_reqs: int,
                         num_tokens: int, query_start_loc_gpu: torch.Tensor,
                         query_start_loc_cpu: torch.Tensor, max_query_len: int,
@@ -378,15 +494,41 @@ def build_attn_metadata(attn_groups: list[list[AttentionGroup]], num_reqs: int,
     """``{layer: metadata}``: one ``CommonAttentionMetadata`` per KV-cache group (its block
     table and slot mapping, ``causal=True``, ``num_actual_tokens=num_tokens``), passed through
     each attention group's builder; every layer of an attention group gets the same object."""
+    if not isinstance(kv_cache_config, KVCacheConfig):   # once per step: no deep check here
+        raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
     num_groups = len(kv_cache_config.kv_cache_groups)
     check_int("num_reqs", num_reqs, 0)
     check_int("num_tokens", num_tokens, 0)
+    check_int("max_query_len", max_query_len, 0)
+    check_int("max_seq_len", max_seq_len, 0)
+    for name, value in (("attn_groups", attn_groups), ("block_tables", block_tables)):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list with one entry per KV-cache group, "
+                            f"got {type(value).__name__}")
+    if not isinstance(slot_mappings, (list, tuple, torch.Tensor)):
+        raise TypeError("slot_mappings must be a list of tensors or a [num_groups, num_tokens] "
+                        f"tensor, got {type(slot_mappings).__name__}")
     if len(attn_groups) != num_groups or len(block_tables) != num_groups or \
             len(slot_mappings) != num_groups:
         raise ValueError(
             f"expected one entry per KV-cache group ({num_groups}): got {len(attn_groups)} "
             f"attention-group lists, {len(block_tables)} block tables, "
             f"{len(slot_mappings)} slot mappings")
+    # Every per-request tensor must cover num_reqs requests and every per-token one num_tokens
+    # tokens (they may be longer: buffers are padded), or the metadata would describe
+    # requests or tokens that are not there.
+    _check_rows("query_start_loc_gpu", query_start_loc_gpu, num_reqs + 1, "num_reqs + 1")
+    _check_rows("query_start_loc_cpu", query_start_loc_cpu, num_reqs + 1, "num_reqs + 1")
+    _check_rows("seq_lens", seq_lens, num_reqs, "num_reqs")
+    for i in range(num_groups):
+        _check_rows(f"block_tables[{i}]", block_tables[i], num_reqs, "num_reqs", dims=2)
+        _check_rows(f"slot_mappings[{i}]", slot_mappings[i], num_tokens, "num_tokens")
+    for name, value, need, what in (
+            ("seq_lens_cpu_upper_bound", seq_lens_cpu_upper_bound, num_reqs, "num_reqs"),
+            ("dcp_local_seq_lens", dcp_local_seq_lens, num_reqs, "num_reqs"),
+            ("positions", positions, num_tokens, "num_tokens")):
+        if value is not None:
+            _check_rows(name, value, need, what)
     seq_lens = seq_lens[:num_reqs]
     if seq_lens_cpu_upper_bound is not None:
         seq_lens_cpu_upper_bound = seq_lens_cpu_upper_bound[:num_reqs]

@@ -10,7 +10,16 @@ from dataclasses import dataclass, field, replace, fields
 
 import torch
 
-from paged_attention.utils import cdiv
+from paged_attention.utils import cdiv, check_int
+
+
+def _set_int(spec: object, name: str, minimum: int = 1, optional: bool = False) -> None:
+    """Check the int field ``name`` of a frozen spec (``>= minimum``; None too if ``optional``)
+    and store it as a plain int, so that a numpy int compares and hashes like one."""
+    value = getattr(spec, name)
+    if optional and value is None:
+        return
+    object.__setattr__(spec, name, check_int(f"{type(spec).__name__}.{name}", value, minimum))
 
 
 class KVCacheSpecMismatchError(ValueError, AssertionError):
@@ -28,6 +37,15 @@ class KVCacheSpec:
     """The base of every spec: only the number of tokens per block."""
 
     block_size: int
+
+    def __post_init__(self) -> None:
+        # A spec is checked once, here: a page size of 0 or less, or one that is not an int,
+        # would only fail later, as a division by zero or a wrong number of blocks.
+        self._validate()
+
+    def _validate(self) -> None:
+        """TypeError/ValueError for a field that is not what it must be. Subclasses add theirs."""
+        _set_int(self, "block_size")
 
     @property
     def page_size_bytes(self) -> int:
@@ -63,6 +81,16 @@ class AttentionSpec(KVCacheSpec):
     dtype: torch.dtype
     page_size_padded: int | None = field(default=None, kw_only=True)
 
+    def _validate(self) -> None:
+        super()._validate()
+        _set_int(self, "num_kv_heads")
+        _set_int(self, "head_size")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"{type(self).__name__}.dtype must be a torch.dtype, got {self.dtype!r}")
+        _set_int(self, "page_size_padded", optional=True)
+        if self.page_size_padded is not None:
+            self.page_size_bytes       # raises if the padded page is smaller than the real one
+
     @property
     def real_page_size_bytes(self) -> int:
         # Specs with a ``head_size_v`` (full and sliding-window attention) size V pages by it.
@@ -89,7 +117,11 @@ class FullAttentionSpec(AttentionSpec):
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
+        _set_int(self, "head_size_v", optional=True)
+        _set_int(self, "sliding_window", optional=True)
+        _set_int(self, "attention_chunk_size", optional=True)
+        super()._validate()
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
 
@@ -137,7 +169,10 @@ class SlidingWindowSpec(AttentionSpec):
     sliding_window: int
     head_size_v: int | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
+        _set_int(self, "sliding_window")
+        _set_int(self, "head_size_v", optional=True)
+        super()._validate()
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
 
@@ -154,12 +189,26 @@ class SlidingWindowSpec(AttentionSpec):
                 * self.page_size_bytes)
 
 
+def _check_names(what: str, names: object) -> None:
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what} must be a list of layer names (str), got {names!r}")
+
+
 @dataclass
 class KVCacheTensor:
     """One raw buffer of ``size`` bytes, used by every layer in ``shared_by``."""
 
     size: int
     shared_by: list[str]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """TypeError/ValueError unless ``size`` is an int >= 1 and ``shared_by`` a list of
+        layer names. Run on construction and again by ``KVCacheConfig.validate``."""
+        check_int("KVCacheTensor.size", self.size, 1)
+        _check_names("KVCacheTensor.shared_by", self.shared_by)
 
 
 @dataclass
@@ -170,6 +219,16 @@ class KVCacheGroupSpec:
     kv_cache_spec: KVCacheSpec
     is_eagle_group: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """TypeError unless ``layer_names`` is a list of names and ``kv_cache_spec`` a spec."""
+        _check_names("KVCacheGroupSpec.layer_names", self.layer_names)
+        if not isinstance(self.kv_cache_spec, KVCacheSpec):
+            raise TypeError("KVCacheGroupSpec.kv_cache_spec must be a KVCacheSpec, got "
+                            f"{self.kv_cache_spec!r}")
+
 
 @dataclass
 class KVCacheConfig:
@@ -178,6 +237,25 @@ class KVCacheConfig:
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """TypeError/ValueError unless every field (and every tensor and group in it) has the
+        right type. The fields can be edited after construction, so the KV-cache functions
+        call this again before they use a config."""
+        check_int("KVCacheConfig.num_blocks", self.num_blocks, 1)
+        for name, items, kind in (("kv_cache_tensors", self.kv_cache_tensors, KVCacheTensor),
+                                  ("kv_cache_groups", self.kv_cache_groups, KVCacheGroupSpec)):
+            if not isinstance(items, (list, tuple)):
+                raise TypeError(f"KVCacheConfig.{name} must be a list of {kind.__name__}, "
+                                f"got {items!r}")
+            for item in items:
+                if not isinstance(item, kind):
+                    raise TypeError(f"KVCacheConfig.{name} must hold {kind.__name__} objects, "
+                                    f"got {item!r}")
+                item.validate()
 
     @property
     def has_mamba_layers(self) -> bool:

@@ -6,6 +6,9 @@ sliding window, its attention backend, and optionally the earlier layer whose KV
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from paged_attention.kv_cache.backends import AttentionBackend, FlashAttentionBackend
@@ -36,6 +39,10 @@ class Attention:
                 not isinstance(kv_sharing_target_layer_name, str):
             raise TypeError("kv_sharing_target_layer_name must be a str or None, got "
                             f"{kv_sharing_target_layer_name!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale must be a real number, got {scale!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
         self.scale = float(scale)
         self.backend = backend
         self.attn_backend = backend

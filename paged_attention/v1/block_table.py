@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_int, is_int
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_device, check_int, is_int
 from paged_attention.v1.cpu_gpu_buffer import CpuGpuBuffer
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -94,6 +94,9 @@ class BlockTable:
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         kernel_block_size = check_int("kernel_block_size", kernel_block_size, minimum=1)
         interleave = _resolve_interleave(dcp_kv_cache_interleave_size, cp_kv_cache_interleave_size)
+        check_device("device", device)          # a clear error here, not one from torch later
+        if not isinstance(pin_memory, (bool, np.bool_)):
+            raise TypeError(f"pin_memory must be a bool, got {pin_memory!r}")
 
         self.max_num_reqs = max_num_reqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from paged_attention.utils import is_int
+from paged_attention.utils import check_device, is_int
 
 
 class CpuGpuBuffer:
@@ -55,10 +55,9 @@ class CpuGpuBuffer:
         if with_numpy and dtype == torch.bfloat16:
             raise ValueError("numpy has no bfloat16, so a bfloat16 CpuGpuBuffer cannot have a numpy view: "
                              "pass with_numpy=False")
-        device = torch.device(device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device} was asked for but torch sees no CUDA device; "
-                             f"use paged_attention.DEVICE (the CPU on this machine)")
+        device = check_device("device", device)
+        if not isinstance(pin_memory, (bool, np.bool_)):
+            raise TypeError(f"pin_memory must be a bool, got {pin_memory!r}")
 
         # Pinning needs a CUDA driver; without one it is turned off rather than failing, so the
         # same code runs on a laptop.

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from paged_attention import runtime
-from paged_attention.utils import is_int
+from paged_attention.utils import check_device, is_int
 
 Size = Union[int, Sequence[int]]
 
@@ -85,14 +85,8 @@ def check_kernel_device(device: Any, what: str) -> torch.device:
     ``PAGED_ATTENTION_DEVICE=cpu``) needs CPU tensors, since the pointers it follows are host
     addresses. Anything else is refused here rather than failing inside a kernel.
     """
-    try:
-        device = torch.device(device)
-    except (TypeError, RuntimeError) as e:
-        raise TypeError(f"{what}: device must be a torch.device or a device string, got {device!r}") from e
+    device = check_device(f"{what}: device", device)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{what}: device {device} was asked for but torch sees no CUDA device; "
-                             f"use paged_attention.DEVICE ({runtime.DEVICE} on this machine)")
         if runtime.TRITON_INTERPRET:
             raise ValueError(f"{what}: Triton runs in its interpreter here (TRITON_INTERPRET=1), which "
                              f"needs CPU tensors; use paged_attention.DEVICE ({runtime.DEVICE})")
@@ -125,9 +119,11 @@ def async_copy_to_gpu(x: Union[torch.Tensor, np.ndarray], out: Optional[torch.Te
     if out is None:
         if device is None:
             raise ValueError("give out= (where to copy) or device= (where to make the copy)")
-        out = torch.empty_like(x, device=device)
+        out = torch.empty_like(x, device=check_device("device", device))
     elif not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    elif tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
     return out.copy_(x, non_blocking=True)
 
 
@@ -208,15 +204,17 @@ class UvaBufferPool:
         self._curr = 0
 
     def copy_to_uva(self, x: Union[torch.Tensor, np.ndarray, Sequence]) -> torch.Tensor:
-        """Copy ``x`` into the next buffer's first rows; return the device view of them."""
-        n = self._check_source(x)
-        # The cursor moves first: the buffer handed out last time is left alone.
+        """Copy ``x`` into the next buffer's first rows; return the device view of them.
+
+        ``x`` is checked in full (rows, row shape, values that fit the dtype) before the cursor
+        moves, so a refused call leaves the cursor and every buffer as they were."""
+        src = self._check_source(x)
+        n = src.shape[0]
+        # The cursor moves before the copy: the buffer handed out last time is left alone.
         self._curr = (self._curr + 1) % self.max_concurrency
         buf = self._uva_bufs[self._curr]
-        if isinstance(x, torch.Tensor):
-            buf.cpu[:n].copy_(x)
-        else:
-            buf.np[:n] = x
+        if n:
+            buf.np[:n] = src
         return buf.uva[:n]
 
     def next_buffer(self) -> UvaBuffer:
@@ -228,31 +226,71 @@ class UvaBufferPool:
     def copy_to_gpu(self, x: Union[torch.Tensor, np.ndarray, Sequence],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``copy_to_uva(x)``, then a device copy of it: a new tensor (``out=None``) or into ``out``."""
+        if out is not None:
+            # Checked before copy_to_uva moves the cursor: a refused call changes nothing.
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            rows = self._check_source(x).shape[0]
+            if tuple(out.shape) != (rows, *self.size[1:]):
+                raise ValueError(f"out must have shape {(rows, *self.size[1:])} (x's rows), "
+                                 f"got {tuple(out.shape)}")
         uva = self.copy_to_uva(x)
         if out is None:
             return uva.clone()
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         return out.copy_(uva, non_blocking=True)
 
-    def _check_source(self, x: Any) -> int:
+    def _check_source(self, x: Any) -> np.ndarray:
+        """``x`` as a numpy array that fits the buffers: at most ``size[0]`` rows of the buffers'
+        row shape, holding values of this pool's kind (integers for an integer pool, in its
+        range; numbers for a float pool). TypeError/ValueError otherwise; nothing is written."""
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise ValueError(f"x must be on the CPU (it is copied into host memory), got {x.device}")
-            if x.dim() == 0:
-                raise ValueError("x must have at least one dimension (rows)")
-            n = x.shape[0]
-            rest = tuple(x.shape[1:])
+            if x.dtype == torch.bfloat16:
+                raise TypeError("x must not be bfloat16: numpy, through which it is copied, has no bfloat16")
+            src = x.detach().numpy()
+        elif isinstance(x, np.ndarray):
+            src = x
+        elif isinstance(x, (Sequence, range)) and not isinstance(x, (str, bytes)):
+            try:
+                src = np.asarray(x)
+            except ValueError:
+                raise ValueError(f"x must be rectangular (every row the same length), got {x!r}") from None
         else:
-            if isinstance(x, (str, bytes)) or not isinstance(x, (Sequence, np.ndarray, range)):
-                raise TypeError(f"x must be a tensor, numpy array or list, got {type(x).__name__}")
-            n = len(x)
-            rest = tuple(np.shape(x)[1:]) if n else self.size[1:]
+            raise TypeError(f"x must be a tensor, numpy array or list, got {type(x).__name__}")
+        if src.ndim == 0:
+            raise ValueError("x must have at least one dimension (rows)")
+        n = src.shape[0]
         if n > self.size[0]:
             raise ValueError(f"x has {n} rows but the pool's buffers have {self.size[0]}")
+        rest = tuple(src.shape[1:]) if (n or isinstance(x, torch.Tensor)) else self.size[1:]
         if rest != self.size[1:]:
             raise ValueError(f"x's rows have shape {rest}, the buffers' rows {self.size[1:]}")
-        return int(n)
+        if src.size:
+            self._check_values(src)
+        return src
+
+    def _check_values(self, src: np.ndarray) -> None:
+        """Refuse values the buffers' dtype cannot hold exactly: non-numbers, fractions for an
+        integer dtype, integers outside its range (numpy would truncate or wrap them)."""
+        target = self._uva_bufs[0].np.dtype
+        kind = src.dtype.kind
+        if target.kind == "b":
+            ok = kind == "b"
+        elif target.kind in "iu":
+            ok = kind in "iu"
+        else:
+            ok = kind in "iuf" or (target.kind == "c" and kind == "c")
+        if not ok:
+            what = {"b": "bools", "i": "integers", "u": "integers"}.get(target.kind, "numbers")
+            raise TypeError(f"x must hold {what} (the buffers are {self.dtype}), got {src.dtype} "
+                            "values")
+        if target.kind in "iu" and not np.can_cast(src.dtype, target, "safe"):
+            info = np.iinfo(target)
+            lo, hi = src.min(), src.max()
+            if lo < info.min or hi > info.max:
+                raise ValueError(f"x's values must fit {self.dtype} ({info.min} .. {info.max}), "
+                                 f"got {lo} .. {hi}")
 
 
 class UvaBackedTensor:
@@ -432,16 +470,17 @@ class StagedWriteTensor:
         n = len(self._staged_write_indices)
         if n == 0:
             return None
-        # Rows, starts and cumulative lengths: host memory the kernel reads through UVA.
-        indices = self.write_indices.copy_to_uva(self._staged_write_indices)
-        starts = self.write_starts.copy_to_uva(self._staged_write_starts)
-        cu_lens = self.write_cu_lens.copy_to_uva(self._staged_write_cu_lens)
         # The values themselves: any number of them, so an (asynchronous) copy to the device,
         # from pinned memory (vLLM's async_tensor_h2d); on a CPU-only machine a host tensor.
+        # Made first: if it fails, no pool cursor has moved and the writes stay staged.
         if self.device.type == "cpu":
             contents_host = torch.tensor(self._staged_write_contents, dtype=self.dtype)
         else:
             contents_host = torch.tensor(self._staged_write_contents, dtype=self.dtype).pin_memory()
+        # Rows, starts and cumulative lengths: host memory the kernel reads through UVA.
+        indices = self.write_indices.copy_to_uva(self._staged_write_indices)
+        starts = self.write_starts.copy_to_uva(self._staged_write_starts)
+        cu_lens = self.write_cu_lens.copy_to_uva(self._staged_write_cu_lens)
         self.clear_staged_writes()
         return n, indices, starts, cu_lens, contents_host
 
