@@ -49,6 +49,18 @@ def _new_tokens(num_tokens, num_heads, head_size, num_slots, dtype, seed=0):
     return key, value, slots.to(runtime.DEVICE)
 
 
+def _every_other(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
+    """``t`` as every other entry along ``dim`` of a tensor twice as long whose other entries
+    hold ``fill``: the same values through a strided view, for kernels that must honour strides."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    index = [slice(None)] * t.dim()
+    index[dim] = slice(None, None, 2)
+    view = torch.full(shape, fill, dtype=t.dtype, device=t.device)[tuple(index)]
+    view.copy_(t)
+    return view
+
+
 def check_reshape_and_cache(impl) -> None:
     for dtype in _dtypes():
         n_blocks, block_size, heads, head_size = 6, 16, 4, 64
@@ -78,7 +90,10 @@ def check_reshape_and_cache_flash(impl) -> None:
             if layout == "HND":
                 caches = [c.permute(0, 2, 1, 3) for c in caches]
             # Only the first 16 tokens have slots: the rest of `key` is padding and must be ignored.
-            impl.reshape_and_cache_flash(key, value, caches[0], caches[1], slots[:16], "auto", _one(), _one())
+            # HND also takes the slots as a strided view (its gaps say "skip": a kernel that
+            # ignores the stride writes too little).
+            given = slots[:16] if layout == "NHD" else _every_other(slots[:16], 0, -1)
+            impl.reshape_and_cache_flash(key, value, caches[0], caches[1], given, "auto", _one(), _one())
             for t, s in enumerate(slots[:16].tolist()):
                 if s >= 0:
                     assert torch.equal(caches[0][s // block_size, s % block_size], key[t]), f"{layout} key {t}"
@@ -144,15 +159,22 @@ def check_paged_attention_decode(impl) -> None:
     # vLLM's FA3 runs in 16 bits and has no ALiBi: it declares what it takes.
     dtypes = [d for d in _dtypes() if d in getattr(impl, "DECODE_DTYPES", args.FLOAT_DTYPES)]
     for dtype in dtypes:
-        for layout, alibi, splits in (("NHD", False, None), ("HND", False, None), ("HND", True, None),
-                                      ("NHD", False, 3)):
+        for layout, alibi, splits, strided in (("NHD", False, None, False), ("HND", False, None, False),
+                                               ("HND", True, None, True), ("NHD", False, 3, True)):
             if alibi and not getattr(impl, "DECODE_ALIBI", True):
                 continue
             p = make_decode_problem([1, 37, 16, 600], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                                     dtype=dtype, device=runtime.DEVICE, layout=layout, alibi=alibi, seed=4)
+            expected = ref.ref_decode_attention(*p.decode_args())
+            if strided:
+                # Index tensors as strided views, their gaps holding wrong (but in-range) values.
+                p.block_tables = _every_other(p.block_tables, 1, 0)
+                p.seq_lens = _every_other(p.seq_lens, 0, 1)
+                if alibi:
+                    p.alibi_slopes = _every_other(p.alibi_slopes, 0, 0.0)
             out = torch.empty_like(p.query)
             impl.paged_attention_decode(out, *p.decode_args(), num_splits=splits)
-            assert_close_to_oracle(out, ref.ref_decode_attention(*p.decode_args()), "paged_attention_decode")
+            assert_close_to_oracle(out, expected, "paged_attention_decode")
 
 
 CHECKS: dict[str, Callable] = {name: globals()[f"check_{name}"] for name in KERNELS}

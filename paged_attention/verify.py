@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from paged_attention.kernels import args
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels.cuda import CudaUnavailableError
 from paged_attention.kernels.vllm import VllmUnavailableError
@@ -77,6 +78,12 @@ def _implementations():
 # Cache writes
 # --------------------------------------------------------------------------------------------
 
+def _copy_with_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` laid out in memory as ``t`` is (``clone`` makes a strided view contiguous),
+    so that every implementation is handed the layout the caller gave."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def verify_cache_writes(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -88,18 +95,22 @@ def verify_cache_writes(
     v_scale: torch.Tensor | None = None,
 ) -> Verification:
     """``reshape_and_cache_flash`` through ``slot_mapping``: the reference writes into the given
-    caches (as the op would), every other implementation into copies of them, which must then be
-    equal to it bit for bit. Scales default to 1."""
+    caches (as the op would), every other implementation into copies of them with the same
+    strides (an HND view, every other block of a larger tensor...), which must then be equal to
+    it bit for bit. Scales default to 1."""
+    args.tensor("key", key)
     one = torch.ones(1, device=key.device)
     k_scale = one if k_scale is None else k_scale
     v_scale = one if v_scale is None else v_scale
-    before = key_cache.clone(), value_cache.clone()
+    ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                      k_scale, v_scale)
+    before = _copy_with_strides(key_cache), _copy_with_strides(value_cache)
     ref.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     v = Verification(f"reshape_and_cache_flash: {int((slot_mapping >= 0).sum())} tokens through the slot mapping")
     v.rows.append(("reference", "ok", "plain torch, the oracle"))
     for name, impl in _implementations():
         def run(impl=impl) -> str:
-            caches = [c.clone() for c in before]
+            caches = [_copy_with_strides(c) for c in before]
             impl.reshape_and_cache_flash(key, value, *caches, slot_mapping, kv_cache_dtype, k_scale, v_scale)
             for got, want, which in ((caches[0], key_cache, "key"), (caches[1], value_cache, "value")):
                 if not torch.equal(got, want):

@@ -39,6 +39,12 @@ def _call(name, p, **changes):
     (lambda p: dict(value_cache=p.value_cache[:-1]), ValueError, "value_cache must have shape"),
     (lambda p: dict(query=p.query.tolist()), TypeError, "query must be a torch.Tensor"),
     (lambda p: dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must have 4"),
+    (lambda p: dict(block_tables=p.block_tables.cpu().numpy()), TypeError,
+     "block_tables must be a torch.Tensor, got numpy.ndarray"),
+    (lambda p: dict(seq_lens=p.seq_lens.tolist()), TypeError, "seq_lens must be a torch.Tensor, got list"),
+    (lambda p: dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (lambda p: dict(scale=float("inf")), ValueError, "scale must be finite"),
+    (lambda p: dict(scale=torch.tensor(p.scale)), TypeError, "scale must be a real number"),
 ])
 def test_decode_bad_input(problem, name, change, error, match):
     with pytest.raises(error, match=match):
@@ -84,6 +90,8 @@ WRITERS = {"reference": ref.reshape_and_cache_flash, "triton": tk.reshape_and_ca
     (lambda a: dict(k_scale=torch.ones(3)), ValueError, "k_scale must have shape"),
     (lambda a: dict(k_scale=1.0), TypeError, "k_scale must be a torch.Tensor"),
     (lambda a: dict(key_cache=a["key_cache"].transpose(2, 3)), ValueError, "key_cache must have shape"),
+    (lambda a: dict(slot_mapping=[0, 1, 2]), TypeError, "slot_mapping must be a torch.Tensor, got list"),
+    (lambda a: dict(value=a["value"].half()), TypeError, "value must have the key's dtype"),
 ])
 def test_cache_write_bad_input(device, name, change, error, match):
     a = dict(key=torch.randn(3, 2, 16), value=torch.randn(3, 2, 16), key_cache=torch.zeros(8, 8, 2, 16),

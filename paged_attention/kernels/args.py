@@ -8,6 +8,8 @@ names the argument and says what was expected. Nothing is written before the che
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Iterable, Sequence
 
 import torch
@@ -35,7 +37,7 @@ def tensor(
 ) -> torch.Tensor:
     """Check that ``t`` is a tensor with the given rank, one of ``dtypes``, on ``device``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -46,8 +48,20 @@ def tensor(
     return t
 
 
+def type_name(x: object) -> str:
+    """``list``, ``float``, ``numpy.ndarray``: a type as a user would write it."""
+    cls = type(x)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+
+
 def same_device(**tensors: torch.Tensor) -> torch.device:
-    """Check that all named tensors live on one device and return it."""
+    """Check that all named arguments are tensors on one device and return it.
+
+    The type is checked first: a list or a numpy array has no torch device (numpy's ``.device``
+    is the string ``"cpu"``), and the error should say what the argument is, not where.
+    """
+    for name, t in tensors.items():
+        tensor(name, t)
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
     for name, dev in devices.items():
@@ -72,6 +86,73 @@ def unit_last_stride(**tensors: torch.Tensor) -> None:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in its last (head_size) dimension, "
                              f"got strides {list(t.stride())}")
+
+
+def no_broadcast_dims(name: str, t: torch.Tensor) -> None:
+    """A tensor that is written must not have a dimension of stride 0 (an ``expand``): two of
+    its elements would be one memory location, and which write wins would be up to the kernel."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if size > 1 and stride == 0:
+            raise ValueError(f"{name} is written, so its elements must not share memory; dimension {dim} "
+                             f"has size {size} and stride 0 (an expanded view): pass a real tensor")
+
+
+def softmax_scale(name: str, value: object) -> float:
+    """The attention scale (``1 / sqrt(head_size)`` usually): a finite real number, as a float.
+
+    A tensor is refused rather than read: reading a GPU tensor's value would make every call
+    wait for the device. NaN or infinity would turn every output into NaN without a word.
+    """
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a real number such as 0.125, got a torch.Tensor "
+                        f"(use float(t) for a one-element tensor)")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number such as 0.125, got {type_name(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def positive_int(name: str, value: object) -> int:
+    """An int >= 1 (``bool`` is not one); ``TypeError`` for another type, ``ValueError`` below 1."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive int, got {type_name(value)} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def max_seq_len(value: object, longest: int) -> int:
+    """Check a caller's ``max_seq_len``: a positive int, and not less than ``longest``.
+
+    ``longest`` is the longest of ``seq_lens`` where the lengths were read (``check_ids=True``),
+    or -1 where they were not: then the caller promises that ``max_seq_len`` is an upper bound.
+    A smaller bound is refused because the kernels size their work (and v1 its shared memory,
+    v2 its partitions) by it, so tokens past it would be dropped or worse.
+    """
+    value = positive_int("max_seq_len", value)
+    if longest > value:
+        raise ValueError(f"max_seq_len ({value}) must be >= the longest of seq_lens ({longest})")
+    return value
+
+
+def contiguous(why: str, **tensors: torch.Tensor) -> None:
+    """Refuse a view whose memory is not the plain row-major layout: for kernels that index a
+    tensor by its shape alone, and for tensors they write (a contiguous copy would lose the write)."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for {why} (got shape {list(t.shape)}, "
+                             f"strides {list(t.stride())})")
+
+
+def rows_of_heads(why: str, **tensors: torch.Tensor) -> None:
+    """``[tokens, heads, head_size]`` whose heads lie back to back within a token (any token
+    stride): kernels that read a token's ``heads * head_size`` elements as one run need it."""
+    for name, t in tensors.items():
+        if t.stride(2) != 1 or (t.size(1) > 1 and t.stride(1) != t.size(2)):
+            raise ValueError(f"{name} must have contiguous heads within each token (strides [*, {t.size(2)}, 1]) "
+                             f"for {why}, got {list(t.stride())}")
 
 
 def kv_cache_dtype(name: str, value: object) -> str:

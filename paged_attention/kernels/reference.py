@@ -20,8 +20,6 @@ Two cache layouts appear throughout.
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from paged_attention.kernels import args
@@ -125,7 +123,8 @@ def ref_decode_attention(
     ``[num_seqs, max_blocks]`` and ``seq_lens`` is ``[num_seqs]``. Returns float64
     ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon).
     """
-    check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, scale=scale)
+    scale = float(scale)
     num_seqs, num_heads, head_size = query.shape
     out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64, device=query.device)
     slopes = None if alibi_slopes is None else alibi_slopes.double()
@@ -138,9 +137,12 @@ def ref_decode_attention(
 
 
 def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                             check_ids: bool = True, *, out: torch.Tensor | None = None) -> int:
+                             check_ids: bool = True, *, scale: object, out: torch.Tensor | None = None) -> int:
     """Checks shared by every decode over the flash layout (and its ``out``, for the kernels
-    that write into one); returns the longest sequence (-1 when ``check_ids=False``)."""
+    that write into one); returns the longest sequence (-1 when ``check_ids=False``).
+
+    Strides are not checked here: the reference reads any view; each kernel checks (or passes
+    to the kernel) what it needs."""
     args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("key_cache", key_cache, ndim=4)
     args.tensor("value_cache", value_cache, ndim=4)
@@ -157,12 +159,14 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
         )
     args.gqa(num_heads, num_kv_heads)
     args.alibi_slopes(alibi_slopes, num_heads)
+    args.softmax_scale("scale", scale)
     longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
                                          num_blocks=num_blocks, check_ids=check_ids)
     if out is not None:
         args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
         args.shape("out", out, tuple(query.shape))
         args.same_device(out=out, query=query)
+        args.no_broadcast_dims("out", out)
     return longest
 
 
@@ -196,6 +200,8 @@ def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cach
     args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("value", value, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.shape("value", value, tuple(key.shape))
+    if value.dtype != key.dtype:
+        raise TypeError(f"value must have the key's dtype {key.dtype}, got {value.dtype}")
     args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
     want = args.cache_element_dtype(kv_cache_dtype, key.dtype)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -204,6 +210,8 @@ def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cach
                             f"and {key.dtype} input, got {cache.dtype}")
     args.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                      slot_mapping=slot_mapping)
+    args.no_broadcast_dims("key_cache", key_cache)
+    args.no_broadcast_dims("value_cache", value_cache)
     num_heads = key.size(1)
     args.scale("k_scale", k_scale, num_heads if per_head_scale else None)
     args.scale("v_scale", v_scale, num_heads if per_head_scale else None)
@@ -341,6 +349,8 @@ def check_copy_blocks(key_caches, value_caches, block_mapping) -> bool:
     for i, (k, v) in enumerate(zip(key_caches, value_caches)):
         args.tensor(f"key_caches[{i}]", k)
         args.tensor(f"value_caches[{i}]", v)
+        args.no_broadcast_dims(f"key_caches[{i}]", k)
+        args.no_broadcast_dims(f"value_caches[{i}]", v)
         if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
             raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
     check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
@@ -416,11 +426,12 @@ def swap_blocks(
 
 def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                       blocksparse_vert_stride, *, check_ids: bool = True) -> None:
+                       blocksparse_vert_stride, *, scale: object, check_ids: bool = True) -> None:
     """All argument checks of ``paged_attention_v1`` (and v2's shared ones).
 
     ``check_ids=False`` skips the block-id and length value checks, which copy the tables to the
-    host (and so cannot run inside a CUDA-graph capture).
+    host (and so cannot run inside a CUDA-graph capture); ``max_seq_len`` is then the caller's
+    promise of an upper bound on ``seq_lens``.
     """
     args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
     args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
@@ -444,14 +455,14 @@ def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_t
     args.alibi_slopes(alibi_slopes, num_heads)
     args.scale("k_scale", k_scale)
     args.scale("v_scale", v_scale)
+    args.softmax_scale("scale", scale)
+    args.no_broadcast_dims("out", out)
     if blocksparse_vert_stride > 1:
         raise ValueError("block-sparse attention (blocksparse_vert_stride > 1) is not implemented here")
-    if not isinstance(max_seq_len, numbers.Integral) or isinstance(max_seq_len, bool) or max_seq_len < 1:
-        raise TypeError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    args.positive_int("max_seq_len", max_seq_len)
     longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
                                          num_blocks=key_cache.size(0), check_ids=check_ids)
-    if longest > max_seq_len:
-        raise ValueError(f"max_seq_len ({max_seq_len}) must be >= the longest of seq_lens ({longest})")
+    args.max_seq_len(max_seq_len, longest)
 
 
 def _gather_v0(key_cache, value_cache, block_table, seq_len, kv_cache_dtype, k_scale, v_scale):
@@ -480,6 +491,8 @@ def check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len: int) -> 
         args.shape(name, t, (num_seqs, num_heads, num_partitions))
     args.tensor("tmp_out", tmp_out, dtypes=(query.dtype,), device=query.device)
     args.shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
+    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits), ("tmp_out", tmp_out)):
+        args.no_broadcast_dims(name, t)
 
 
 def v2_scratch(query: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -532,8 +545,9 @@ def paged_attention_v1(
     (``blocksparse_vert_stride > 1``) is not implemented; ``tp_rank`` only mattered there.
     """
     check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                              block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                              blocksparse_vert_stride)
+                       block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                       blocksparse_vert_stride, scale=scale)
+    scale = float(scale)
     for s, seq_len in enumerate(seq_lens.tolist()):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
         positions = torch.arange(seq_len, device=query.device)
@@ -576,9 +590,10 @@ def paged_attention_v2(
     Partitions past a sequence's end are left untouched, as the CUDA kernel leaves them.
     """
     check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                               block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                              blocksparse_vert_stride)
+                       block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                       blocksparse_vert_stride, scale=scale)
     check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
+    scale = float(scale)
     for s, seq_len in enumerate(seq_lens.tolist()):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)
         q = query[s].float()

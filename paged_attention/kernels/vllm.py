@@ -125,12 +125,19 @@ def available() -> tuple[bool, str]:
 # Cache writes and swaps (spec §5.1, §5.2, §5.4)
 # --------------------------------------------------------------------------------------------
 
-def _to_kernel(key: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor):
-    """vLLM's kernels read int64 slots and float32 scales on the GPU of the keys."""
+_WHY = "vLLM's kernels"
+
+
+def _to_kernel(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+               v_scale: torch.Tensor):
+    """vLLM's cache kernels read int64 slots and float32 scales on the GPU of the keys, by index
+    (strided views of these small tensors become contiguous copies), and each token's keys and
+    values as one run of ``heads * head_size`` elements (only the token stride is theirs)."""
     if key.device.type != "cuda":
         raise ValueError(f"key must be on a CUDA device for vLLM's kernels, got {key.device}")
+    args.rows_of_heads(_WHY, key=key, value=value)
     return (slot_mapping.to(key.device, torch.int64).contiguous(),
-            k_scale.to(key.device, torch.float32), v_scale.to(key.device, torch.float32))
+            k_scale.to(key.device, torch.float32).contiguous(), v_scale.to(key.device, torch.float32).contiguous())
 
 
 def reshape_and_cache(
@@ -143,10 +150,12 @@ def reshape_and_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    """vLLM's scatter of new tokens into the v0-layout caches."""
+    """vLLM's scatter of new tokens into the v0-layout caches (which it indexes by shape: they
+    must be contiguous)."""
     ops = _cache_ops()
     ref.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
-    slots, ks, vs = _to_kernel(key, slot_mapping, k_scale, v_scale)
+    slots, ks, vs = _to_kernel(key, value, slot_mapping, k_scale, v_scale)
+    args.contiguous(_WHY, key_cache=key_cache, value_cache=value_cache)
     ops.reshape_and_cache(key, value, key_cache, value_cache, slots, kv_cache_dtype, ks, vs)
 
 
@@ -160,11 +169,17 @@ def reshape_and_cache_flash(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    """vLLM's scatter of new tokens into flash-layout caches (NHD, or HND through strides)."""
+    """vLLM's scatter of new tokens into flash-layout caches (NHD, or HND through strides).
+
+    vLLM addresses both caches with the key cache's block, token and head strides, so the value
+    cache must have the same strides (K and V views of one cache tensor do)."""
     ops = _cache_ops()
     ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                       k_scale, v_scale)
-    slots, ks, vs = _to_kernel(key, slot_mapping, k_scale, v_scale)
+    slots, ks, vs = _to_kernel(key, value, slot_mapping, k_scale, v_scale)
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key_cache and value_cache must have the same strides for vLLM's kernels, got "
+                         f"{list(key_cache.stride())} and {list(value_cache.stride())}")
     ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, kv_cache_dtype, ks, vs)
 
 
@@ -206,11 +221,15 @@ def paged_attention_decode(
     Arguments as ``paged_attention.kernels.triton.paged_attention_decode``. Each sequence is one
     query token, so FA3 sees a variable-length batch with ``cu_seqlens_q = [0, 1, ..., num_seqs]``,
     the lengths as ``seqused_k`` and the block table as its page table. fp16/bf16 only, no ALiBi.
-    ``num_splits=None`` lets FA3 choose how to split long contexts (vLLM's default).
+    ``num_splits=None`` lets FA3 choose how to split long contexts (vLLM's default). FA3 takes
+    the strides of the query and the caches (head dimension contiguous); ``out`` must be
+    contiguous; the lengths and the table are passed as contiguous int32 copies where they are
+    not already. ``max_seq_len``: as in the Triton kernel (an upper bound, checked when
+    ``check_ids=True``).
     """
     fa3 = _fa3()
     longest = ref.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                                          check_ids=check_ids, out=out)
+                                          check_ids=check_ids, scale=scale, out=out)
     if query.dtype not in DECODE_DTYPES:
         raise TypeError(f"query must be float16 or bfloat16 for vLLM's FA3, got {query.dtype}")
     if alibi_slopes is not None:
@@ -220,19 +239,23 @@ def paged_attention_decode(
     args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous for vLLM's FA3, got strides {list(out.stride())}")
-    if max_seq_len is None:
-        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
+    if max_seq_len is not None:
+        args.max_seq_len(max_seq_len, longest)
+    if num_splits is not None:
+        args.positive_int("num_splits", num_splits)
     num_seqs = query.size(0)
     if num_seqs == 0:
         return
+    if max_seq_len is None:
+        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     try:
         fa3.fwd(query, key_cache, value_cache,
                 None, None, None,                  # k_new, v_new, q_v
                 out, cu_seqlens_q,
                 None, None, None,                  # cu_seqlens_k (the page table gives the keys), _k_new, seqused_q
-                seq_lens.to(torch.int32), 1, max_seq_len,
-                block_tables.to(torch.int32),
+                seq_lens.to(torch.int32).contiguous(), 1, max_seq_len,
+                block_tables.to(torch.int32).contiguous(),   # FA3 wants unit-stride rows
                 None, None, None, None, None,      # kv_batch_idx, leftpad_k, rotary cos/sin/seqlens
                 None, None, None,                  # q/k/v descale (fp8 only)
                 float(scale),

@@ -96,21 +96,21 @@ def _on_cuda(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be on a CUDA device for the CUDA kernels, got {t.device}")
 
 
+_WHY = "the CUDA kernels"
+
+
 def _contiguous(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for the CUDA kernels (got strides {t.stride()})")
-
-
-def _rows_of_heads(name: str, t: torch.Tensor) -> None:
-    """``[tokens, heads, head_size]`` whose heads and elements are contiguous within a row."""
-    if t.stride(2) != 1 or (t.size(1) > 1 and t.stride(1) != t.size(2)):
-        raise ValueError(f"{name} must have contiguous heads within each token (strides [*, {t.size(2)}, 1]), "
-                         f"got {list(t.stride())}")
+    args.contiguous(_WHY, **tensors)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
+    """Tables and lengths as the kernels index them: int32, row-major (a copy only if needed)."""
     return t.to(torch.int32).contiguous()
+
+
+def _scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head scales are read as ``scale[h]``: a strided view becomes a (tiny) contiguous copy."""
+    return k_scale.contiguous(), v_scale.contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,11 +132,10 @@ def reshape_and_cache(
     ref.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                 k_scale, v_scale)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
-    _rows_of_heads("key", key)
-    _rows_of_heads("value", value)
+    args.rows_of_heads(_WHY, key=key, value=value)
     _contiguous(key_cache=key_cache, value_cache=value_cache)
     ext.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous(),
-                          _KV_CODES[kv_cache_dtype], k_scale, v_scale)
+                          _KV_CODES[kv_cache_dtype], *_scales(k_scale, v_scale))
 
 
 def reshape_and_cache_flash(
@@ -155,8 +154,11 @@ def reshape_and_cache_flash(
                                       k_scale, v_scale)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
     args.unit_last_stride(key=key, value=value)
+    # The kernel takes the token and head strides of key and value, the block, token and head
+    # strides of the caches (one block stride for both, checked above); the slots and scales
+    # are read by index, so strided views of those are made contiguous (they are small).
     ext.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping.contiguous(),
-                                _KV_CODES[kv_cache_dtype], k_scale, v_scale)
+                                _KV_CODES[kv_cache_dtype], *_scales(k_scale, v_scale))
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,12 +232,15 @@ def v1_max_seq_len(head_size: int, device: torch.device | None = None) -> int:
     return (optin - static) // 4
 
 
-def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+def _check_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
                      check_ids):
+    """The reference's checks, then what the kernels need. Strides: the query's token and head
+    strides go to the kernel; the caches (indexed by shape) and ``out`` (written) must be
+    contiguous; the tables, lengths and slopes are passed as contiguous copies where they are not."""
     ref.check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                            block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                           blocksparse_vert_stride, check_ids=check_ids)
+                           blocksparse_vert_stride, scale=scale, check_ids=check_ids)
     if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the CUDA attention kernels read unquantized "
                          f"caches only; paged_attention.kernels.reference handles fp8")
@@ -247,8 +252,6 @@ def _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tab
     _on_cuda(query=query)
     args.unit_last_stride(query=query)
     _contiguous(out=out, key_cache=key_cache, value_cache=value_cache)
-    if alibi_slopes is not None:
-        _contiguous(alibi_slopes=alibi_slopes)
 
 
 def paged_attention_v1(
@@ -277,10 +280,12 @@ def paged_attention_v1(
     """One decode step, one thread block per (head, sequence) over the whole context.
 
     The context is limited by shared memory (``v1_max_seq_len``). ``check_ids=False`` skips the
-    host-side block-id checks, e.g. inside a CUDA-graph capture whose tables are known good.
+    host-side block-id checks, e.g. inside a CUDA-graph capture whose tables are known good; the
+    caller then also promises that ``max_seq_len`` bounds ``seq_lens`` (shared memory is sized
+    by it; with ``check_ids=True`` a smaller one is refused).
     """
     ext = _extension()
-    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+    _check_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
                      check_ids)
     limit = v1_max_seq_len(query.size(2), query.device)
@@ -288,7 +293,8 @@ def paged_attention_v1(
         raise ValueError(f"max_seq_len={max_seq_len} is more than paged_attention_v1 can hold in shared memory "
                          f"on this GPU ({limit} tokens for head size {query.size(2)}); use paged_attention_v2")
     ext.paged_attention(out, None, None, None, query, key_cache, value_cache, num_kv_heads, float(scale),
-                        _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len), alibi_slopes)
+                        _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len),
+                        None if alibi_slopes is None else alibi_slopes.contiguous())
 
 
 def paged_attention_v2(
@@ -321,13 +327,14 @@ def paged_attention_v2(
 
     ``exp_sums``/``max_logits`` (float32) and ``tmp_out`` are ``[num_seqs, num_heads,
     ceil(max_seq_len / 512)(, head_size)]`` scratch, filled as the reference fills them.
+    ``check_ids=False``: as in ``paged_attention_v1``; ``max_seq_len`` sets the partitions.
     """
     ext = _extension()
-    _check_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens, block_size,
+    _check_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
                      check_ids)
     ref.check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
     _contiguous(exp_sums=exp_sums, max_logits=max_logits, tmp_out=tmp_out)
     ext.paged_attention(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
                         float(scale), _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len),
-                        alibi_slopes)
+                        None if alibi_slopes is None else alibi_slopes.contiguous())

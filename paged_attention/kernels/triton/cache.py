@@ -8,7 +8,9 @@ of values to the cache, unless the slot is negative (a padding token).
 
 The caches are flash layout ``[num_blocks, block_size, num_heads, head_size]`` with any strides,
 so the same kernel writes NHD memory (heads inside a token) and HND memory (tokens inside a
-head): only the strides passed in differ.
+head): only the strides passed in differ. The keys, values and slot mapping may be strided views
+too (a slice of a fused qkv tensor, every other slot of a longer mapping): every tensor is
+addressed through its own strides, except that a head's elements must be contiguous.
 """
 from __future__ import annotations
 
@@ -17,13 +19,13 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import args
-from paged_attention.kernels.reference import check_flash_caches
+from paged_attention.kernels.reference import check_reshape_and_cache_flash
 
 
 @triton.jit
 def _reshape_and_cache_flash_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    num_tokens,
+    num_tokens, slot_stride,
     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
     kc_stride_blk, kc_stride_tok, kc_stride_head,
     vc_stride_blk, vc_stride_tok, vc_stride_head,
@@ -37,7 +39,7 @@ def _reshape_and_cache_flash_kernel(
     for i in range(TOKENS_PER_PROGRAM):
         t = tl.program_id(0) * TOKENS_PER_PROGRAM + i
         # Tokens past the end, and padding tokens (slot < 0), load and store nothing.
-        slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + t * slot_stride, mask=t < num_tokens, other=-1).to(tl.int64)
         mask = in_tile & (tl.full([BLOCK_H, BLOCK_D], 0, tl.int64) + slot >= 0)
         blk = slot // BLOCK_SIZE    # physical block
         off = slot % BLOCK_SIZE     # token's row inside that block
@@ -65,23 +67,14 @@ def reshape_and_cache_flash(
     ``slot_mapping.size(0)`` tokens are written, negative slots are skipped. fp8 caches are
     refused (use ``kernels.reference.reshape_and_cache_flash``, or the CUDA kernels).
     """
-    check_flash_caches(key, key_cache, value_cache)
-    args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
+    check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                  k_scale, v_scale)
     if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
         raise ValueError(f"the Triton reshape_and_cache_flash writes unquantized caches only "
                          f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or kernels.cuda")
-    args.tensor("value", value, ndim=3)
-    args.shape("value", value, tuple(key.shape))
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        args.tensor(name, t, dtypes=triton_float_dtypes(key.device))
-        if t.dtype != key.dtype:
-            raise TypeError(f"{name} must have the key's dtype {key.dtype}, got {t.dtype}")
+    args.tensor("key", key, dtypes=triton_float_dtypes(key.device))
     args.unit_last_stride(key=key, value=value)
-    args.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
-    args.scale("k_scale", k_scale, key.size(1))
-    args.scale("v_scale", v_scale, key.size(1))
     num_blocks, block_size, num_heads, head_size = key_cache.shape
-    args.slot_mapping("slot_mapping", slot_mapping, num_blocks * block_size, key.size(0))
 
     num_tokens = slot_mapping.size(0)
     if num_tokens == 0:
@@ -89,7 +82,7 @@ def reshape_and_cache_flash(
     tokens_per_program = 1 if key.is_cuda else 16   # the interpreter pays per program: batch tokens
     grid = (triton.cdiv(num_tokens, tokens_per_program),)
     _reshape_and_cache_flash_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping, num_tokens,
+        key, value, key_cache, value_cache, slot_mapping, num_tokens, slot_mapping.stride(0),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

@@ -50,7 +50,8 @@ def _paged_decode_kernel(
     q_stride_s, q_stride_h,
     k_stride_blk, k_stride_tok, k_stride_head,
     v_stride_blk, v_stride_tok, v_stride_head,
-    bt_stride_s,
+    bt_stride_s, bt_stride_b,                   # block table: per sequence, per block entry
+    sl_stride, alibi_stride,                    # seq_lens and alibi_slopes may be strided views
     o_stride_s, o_stride_h,
     QUERIES_PER_KV: tl.constexpr,               # query heads sharing one KV head (GQA group)
     BLOCK_G: tl.constexpr,                      # that group padded to a tile height >= 16
@@ -68,9 +69,11 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * QUERIES_PER_KV
 
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq * sl_stride).to(tl.int32)
     start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    # The last split runs to the sequence's end, so a too-small max_seq_len (unchecked when
+    # check_ids=False) costs balance, never tokens.
+    end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + tokens_per_split, seq_len))
 
     # Rows of the tile: the query heads of this KV head's group (rows >= QUERIES_PER_KV are
     # padding, with zero queries). Columns: the head dimension, padded to a power of two.
@@ -82,7 +85,7 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + seq * q_stride_s + head[:, None] * q_stride_h + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if USE_ALIBI:
-        slope = tl.load(alibi_ptr + head, mask=g_mask, other=0.0) * 1.4426950408889634
+        slope = tl.load(alibi_ptr + head * alibi_stride, mask=g_mask, other=0.0) * 1.4426950408889634
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max score (base 2)
     l_i = tl.zeros([BLOCK_G], tl.float32)                 # running sum of 2^(score - m_i)
@@ -96,7 +99,7 @@ def _paged_decode_kernel(
         n_mask = n < end
         # Paging: token n sits in physical block table[n // BLOCK_SIZE], row n % BLOCK_SIZE.
         # In a cache of 2^31 elements or more, block * block_stride needs 64 bits.
-        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0)
+        block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
         row = n % BLOCK_SIZE
         if OFFSETS_64:
             block = block.to(tl.int64)
@@ -239,36 +242,46 @@ def paged_attention_decode(
     ``query``/``out``: ``[num_seqs, num_heads, head_size]``. ``key_cache``/``value_cache``:
     ``[num_blocks, block_size, num_kv_heads, head_size]`` with NHD or HND strides, the query's
     dtype. ``block_tables``: int32 ``[num_seqs, max_blocks]``; ``seq_lens``: ``[num_seqs]``, each
-    >= 1. ``alibi_slopes``: optional float32 ``[num_heads]``. Any block size works (each token
-    looks its block up), though vLLM uses powers of two >= 8. ``num_splits`` overrides the context split (default: ``choose_num_splits``);
-    ``max_seq_len`` saves a device-to-host read when ``check_ids=False``. ``check_ids=False``
-    skips the index checks, which copy the tables to the host: only for tables known good.
-    ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default: ``choose_launch``), for tuning.
-    ``kv_evict="evict_first"`` asks L2 to drop the K/V lines first (each is read once); it only
-    reaches the hardware with ``num_stages == 1`` (see ``choose_launch`` for when that pays).
+    >= 1. ``alibi_slopes``: optional float32 ``[num_heads]``. ``scale``: a finite float. Every
+    tensor may be a strided view (its strides go to the kernel), as long as the head dimension
+    of ``query``, ``out`` and the caches is contiguous. Any block size works (each token looks
+    its block up), though vLLM uses powers of two >= 8.
+
+    ``num_splits`` overrides the context split (default: ``choose_num_splits``).
+    ``max_seq_len``, a positive int, bounds the longest sequence; it sets the split and tile
+    sizes and saves a device-to-host read when ``check_ids=False``. ``check_ids=False`` skips
+    the index checks, which copy the tables to the host: only for tables known good; the caller
+    then promises that ``max_seq_len`` is an upper bound (with ``check_ids=True`` a smaller one
+    is refused). ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default:
+    ``choose_launch``), for tuning. ``kv_evict="evict_first"`` asks L2 to drop the K/V lines
+    first (each is read once); it only reaches the hardware with ``num_stages == 1`` (see
+    ``choose_launch`` for when that pays).
     """
     longest = check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
-                                       alibi_slopes, check_ids=check_ids, out=out)
+                                       alibi_slopes, check_ids=check_ids, scale=scale, out=out)
+    scale = float(scale)
     args.tensor("query", query, dtypes=triton_float_dtypes(query.device))
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
-    if max_seq_len is None:
-        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
+    if max_seq_len is not None:
+        args.max_seq_len(max_seq_len, longest)
+    if num_splits is not None:
+        args.positive_int("num_splits", num_splits)
+    if kv_evict not in ("", "evict_first", "evict_last"):
+        raise ValueError(f"kv_evict must be '', 'evict_first' or 'evict_last', got {kv_evict!r}")
     if num_seqs == 0:
         return
+    if max_seq_len is None:
+        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
 
     queries_per_kv = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(queries_per_kv))
     tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len, num_splits)
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"TILE_N must be a power of two >= 16, got {tile_n}")
-    if kv_evict not in ("", "evict_first", "evict_last"):
-        raise ValueError(f"kv_evict must be '', 'evict_first' or 'evict_last', got {kv_evict!r}")
     # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
     tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), tile_n) * tile_n
     num_splits = cdiv(max_seq_len, tokens_per_split)
@@ -289,7 +302,8 @@ def paged_attention_decode(
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), block_tables.stride(1),
+        seq_lens.stride(0), alibi_slopes.stride(0) if use_alibi else 0,
         out.stride(0), out.stride(1),
         QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g,
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
