@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from paged_attention import bench, runtime
+from paged_attention.bench import slot_mapping as slot_mapping_bench
 from paged_attention.utils import PAD_SLOT_ID
 from paged_attention.v1 import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank, slot_mapping_loop
@@ -143,7 +144,7 @@ def test_slot_mapping_times_returns_one_time_per_shape(capsys):
 def test_slot_mapping_times_catches_a_wrong_loop(monkeypatch):
     def off_by_one(table, reqs, positions):
         return [s + 1 for s in slot_mapping_loop(table, reqs, positions)]
-    monkeypatch.setattr(bench, "slot_mapping_loop", off_by_one)
+    monkeypatch.setattr(slot_mapping_bench, "slot_mapping_loop", off_by_one)   # the loop it compares with
     with pytest.raises(AssertionError, match="disagree"):
         bench.slot_mapping_times([(2, 3)], min_time=1e-4, repeat=1, print_fn=lambda *_: None)
 

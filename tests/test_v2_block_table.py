@@ -1,4 +1,4 @@
-"""v2 ``BlockTables`` (spec §3.3-§3.5), method by method, for both kernel sets ("seed", "fast").
+"""v2 ``BlockTables``, method by method, for both kernel sets (``impl="vllm"`` and ``"fast"``).
 
 Two KV-cache groups with block sizes 16 and 32 (as in a model mixing full attention and sliding
 window layers) and small shapes, so that Triton's interpreter keeps up on a CPU. Every test reads
@@ -10,13 +10,14 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.utils import PAD_SLOT_ID, cdiv
-from paged_attention.v2 import BlockTables, StagedWriteTensor, UvaBackedTensor
+from paged_attention.v2 import BlockTables, FastBlockTables, StagedWriteTensor, UvaBackedTensor
 from paged_attention.v2 import block_table as v2bt
+from paged_attention.v2 import block_table_fast as fast_bt
 
 from test_v2_buffers import CountingKernel
 
 DEV = runtime.DEVICE
-IMPLS = ["seed", "fast"]
+IMPLS = ["vllm", "fast"]
 BLOCK_SIZES = [16, 32]
 MAX_REQS, MAX_TOKENS, MAX_LEN = 4, 16, 200      # widths: cdiv(200, 16) = 13, cdiv(200, 32) = 7
 
@@ -75,7 +76,8 @@ def test_construction_shapes_and_layout_tensors():
     assert host(bt.input_block_table_ptrs).tolist() == [t.data_ptr() for t in bt.input_block_tables]
     assert host(bt.block_table_strides).tolist() == [13, 7]
     assert host(bt.block_sizes_tensor).tolist() == [16, 32]
-    assert bt.impl == "fast"
+    assert bt.impl == "fast" and type(bt) is FastBlockTables and isinstance(bt, BlockTables)
+    assert type(make("vllm")) is BlockTables and make("vllm").impl == "vllm"
 
 
 @pytest.mark.parametrize("kwargs,error", [
@@ -91,6 +93,20 @@ def test_construction_shapes_and_layout_tensors():
 def test_bad_construction(kwargs, error):
     with pytest.raises(error):
         make(**kwargs)
+
+
+def test_v2_imports_no_other_vllm_version():
+    # v2 stands alone: none of its modules imports v1, the legacy (v0) layer, the benchmarks or
+    # the drawings.
+    import ast
+    from pathlib import Path
+    for path in Path(v2bt.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith(("paged_attention.v1", "paged_attention.legacy", "paged_attention.bench",
+                                             "paged_attention.viz")), f"{path.name} imports {name}"
 
 
 def test_wrong_device_for_this_machine():
@@ -137,7 +153,7 @@ def test_overwrite_replaces_from_column_zero(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_overwrite_with_empty_lists_resets_the_count(impl):
-    # Pitfall 21: stage_write([]) is a no-op, but the count still becomes 0.
+    # As in vLLM: stage_write([]) stages nothing, but the count still becomes 0.
     bt = make(impl)
     bt.append_block_ids(0, ([3, 4], [5]), overwrite=True)
     bt.apply_staged_writes()
@@ -157,9 +173,9 @@ def test_append_accepts_numpy_and_tuples():
 
 def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
     from paged_attention.v2 import buffers
-    fused = CountingKernel(v2bt._apply_block_table_writes_kernel)
+    fused = CountingKernel(fast_bt._apply_block_table_writes_kernel)
     per_group = CountingKernel(buffers._apply_write_kernel)
-    monkeypatch.setattr(v2bt, "_apply_block_table_writes_kernel", fused)
+    monkeypatch.setattr(fast_bt, "_apply_block_table_writes_kernel", fused)
     monkeypatch.setattr(buffers, "_apply_write_kernel", per_group)
     bt = make("fast", block_sizes=[16, 32, 8])
     for req in range(MAX_REQS):
@@ -175,19 +191,19 @@ def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
     assert bt.num_blocks.np[:, 2].tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("apply_impl,gather_impl", [("seed", "fast"), ("fast", "seed"), ("fast", "fast"),
-                                                    ("seed", "seed")])
+@pytest.mark.parametrize("apply_impl,gather_impl", [("vllm", "fast"), ("fast", "fast"), ("vllm", "vllm")])
 def test_apply_and_gather_kernels_mix(apply_impl, gather_impl):
     # The fast gather reads the counts from device memory after a fast apply, and from the UVA
-    # buffer after a seed apply: either way the counts just published.
-    bt = make()
+    # buffer after vLLM's apply (run here on the fast tables): either way the counts just published.
+    apply = FastBlockTables.apply_staged_writes if apply_impl == "fast" else BlockTables.apply_staged_writes
+    bt = make(gather_impl)
     bt.append_block_ids(1, ([4, 5, 6], [7, 8]), overwrite=True)
-    bt.apply_staged_writes(impl="fast")
-    bt.gather_block_tables(i32([1]), impl=gather_impl)
+    bt.apply_staged_writes()
+    bt.gather_block_tables(i32([1]))
     bt.append_block_ids(1, ([9], []), overwrite=True)            # counts 1 and 0
     bt.append_block_ids(0, ([3], [2]), overwrite=True)
-    bt.apply_staged_writes(impl=apply_impl)
-    out = bt.gather_block_tables(i32([1, 0]), impl=gather_impl)
+    apply(bt)
+    out = bt.gather_block_tables(i32([1, 0]))
     assert host(out[0])[:, :4].tolist() == [[9, 5, 6, 0], [3, 0, 0, 0]]
     assert host(out[1])[:, :3].tolist() == [[7, 8, 0], [2, 0, 0]]
 
@@ -199,15 +215,15 @@ def test_fast_gather_follows_counts_published_by_hand():
     bt.num_blocks.np[0, 3] = 1
     bt.num_blocks.copy_to_uva()
     bt.input_block_tables[0].fill_(0)
-    out = bt.gather_block_tables(i32([3]), impl="fast")
+    out = bt.gather_block_tables(i32([3]))
     assert host(out[0])[0, :3].tolist() == [301, 0, 0] and host(out[1])[0, :3].tolist() == [350, 351, 0]
 
 
-def test_seed_apply_is_one_launch_per_group(monkeypatch):
+def test_vllm_apply_is_one_launch_per_group(monkeypatch):
     from paged_attention.v2 import buffers
     counter = CountingKernel(buffers._apply_write_kernel)
     monkeypatch.setattr(buffers, "_apply_write_kernel", counter)
-    bt = make("seed")
+    bt = make("vllm")
     bt.append_block_ids(0, ([1], [2]), overwrite=True)
     bt.append_block_ids(1, ([3], []), overwrite=True)
     bt.apply_staged_writes()
@@ -320,7 +336,7 @@ def test_gather_int64_mapping_and_repeats(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gather_leaves_stale_columns(impl):
-    # Pitfall 20: only the first num_blocks columns of a row are copied.
+    # As in vLLM, only the first num_blocks columns of a row are copied (attention reads no more).
     bt = filled(impl)
     bt.gather_block_tables(i32([3]))
     bt.append_block_ids(0, ([7], [8]), overwrite=True)
@@ -349,8 +365,8 @@ def test_gather_pads_rows_with_zeros_over_each_groups_width(impl):
     # Row 0 held request 3's four ids: the fourth stays (stale).
     assert g0[0, :5].tolist() == [201, 202, 203, 304, 0] and g1[0, :3].tolist() == [250, 251, 0]
     assert not g0[1].any() and not g1[1].any()                     # the padded row
-    # Rows past the padding are untouched: upstream zeroes group 1's padded row with group 0's
-    # width (13 > 7), running into row 2 (pitfall 20).
+    # Rows past the padding are untouched: vLLM zeroes group 1's padded row with group 0's
+    # width (13 > 7), running into row 2.
     assert g0[2, :3].tolist() == [101, 102, 0] and g1[2, :2].tolist() == [150, 0]
     assert g0[3, :2].tolist() == [1, 0] and g1[3, :2].tolist() == [50, 0]
 
@@ -374,7 +390,6 @@ def test_gather_of_an_empty_batch(impl):
     (lambda bt: bt.gather_block_tables(i32([0, 1]), num_reqs_padded=1), ValueError, "num_reqs_padded"),
     (lambda bt: bt.gather_block_tables(i32([0, 1]), num_reqs_padded=5), ValueError, "max_num_reqs"),
     (lambda bt: bt.gather_block_tables(i32([0, 1, 2, 3])[::2]), ValueError, "contiguous"),
-    (lambda bt: bt.gather_block_tables(i32([0]), impl="cuda"), ValueError, "impl"),
 ])
 def test_bad_gathers_raise_before_launching(call, error, match):
     bt = filled("fast")
@@ -406,8 +421,8 @@ def test_dummy_block_tables_are_the_persistent_views():
 
 # ---- compute_slot_mappings --------------------------------------------------------------------
 
-def spec_example(impl):
-    """Spec §3.4's example: request state 5 holds [7, 9], state 2 holds [3]; one group of 16."""
+def worked_example(impl):
+    """Request state 5 holds [7, 9], state 2 holds [3]; one group of blocks of 16."""
     bt = BlockTables([16], 8, 16, 64, DEV, impl=impl)
     bt.append_block_ids(5, ([7, 9],), overwrite=True)
     bt.append_block_ids(2, ([3],), overwrite=True)
@@ -417,8 +432,8 @@ def spec_example(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("via", ["gather", "idx_mapping"])
-def test_spec_example(impl, via):
-    bt = spec_example(impl)
+def test_worked_example(impl, via):
+    bt = worked_example(impl)
     idx = i32([5, 2])
     qsl, pos = i32([0, 3, 5]), i64([16, 17, 18, 0, 1])
     if via == "gather":
@@ -446,8 +461,8 @@ def test_two_groups_each_in_its_own_block_size(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_padding_starts_at_the_real_token_count(impl):
-    # Upstream fix #36580: tokens between query_start_loc[-1] and len(positions) are padding
-    # too (the seed padded from len(positions) and left the previous step's slots there).
+    # vLLM's fix in PR #36580: tokens between query_start_loc[-1] and len(positions) are padding
+    # too (before it, padding began at len(positions), leaving the previous step's slots there).
     bt = filled(impl)
     bt.gather_block_tables(i32([3, 2]))
     bt.compute_slot_mappings(i32([0, 4, 8]), i64([0, 1, 2, 3, 0, 1, 2, 3]))
@@ -471,7 +486,7 @@ def test_empty_requests_and_an_empty_batch(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_slots_are_64_bit(impl):
-    # A block id times the block size past 2**31: the seed's int32 product would wrap.
+    # A block id times the block size past 2**31: an int32 product would wrap.
     bt = BlockTables([16, 32], 2, 4, 64, DEV, impl=impl)
     big = 2 ** 31 - 5
     bt.append_block_ids(1, ([3, big], [big]), overwrite=True)
@@ -551,17 +566,18 @@ def test_dummy_slot_mappings_fill_everything():
         bt.get_dummy_slot_mappings(17)
 
 
-def test_impl_can_be_chosen_per_call(monkeypatch):
-    seed = CountingKernel(v2bt._compute_slot_mappings_kernel)
-    fast = CountingKernel(v2bt._compute_slot_mappings_fast_kernel)
-    monkeypatch.setattr(v2bt, "_compute_slot_mappings_kernel", seed)
-    monkeypatch.setattr(v2bt, "_compute_slot_mappings_fast_kernel", fast)
-    bt = filled("fast")
+def test_impl_is_chosen_by_the_constructor(monkeypatch):
+    vllm = CountingKernel(v2bt._compute_slot_mappings_kernel)
+    fast = CountingKernel(fast_bt._compute_slot_mappings_fast_kernel)
+    monkeypatch.setattr(v2bt, "_compute_slot_mappings_kernel", vllm)
+    monkeypatch.setattr(fast_bt, "_compute_slot_mappings_fast_kernel", fast)
     args = (i32([0, 1, 3]), i64([0, 1, 2]))
-    bt.compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
-    bt.compute_slot_mappings(*args, idx_mapping=i32([1, 2]), impl="seed")
-    # The seed grid: (groups, requests + 1); ours: tiles of tokens.
-    assert seed.grids == [(2, 3)] and fast.launches == 1
+    filled("fast").compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
+    assert vllm.launches == 0 and fast.grids == [(1,)]           # ours: tiles of tokens
+    filled("vllm").compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
+    assert vllm.grids == [(2, 3)] and fast.launches == 1         # vLLM's: (groups, requests + 1)
+    with pytest.raises(ValueError, match="impl"):
+        FastBlockTables(BLOCK_SIZES, MAX_REQS, MAX_TOKENS, MAX_LEN, DEV, impl="vllm")
 
 
 @pytest.mark.cuda
@@ -597,8 +613,8 @@ def test_fast_kernels_replay_from_a_cuda_graph():
 
 @pytest.mark.parametrize("padded", [None, 4])
 def test_fused_gather_and_slots_equal_the_two_calls(padded, monkeypatch):
-    fused = CountingKernel(v2bt._gather_and_slots_fast_kernel)
-    monkeypatch.setattr(v2bt, "_gather_and_slots_fast_kernel", fused)
+    fused = CountingKernel(fast_bt._gather_and_slots_fast_kernel)
+    monkeypatch.setattr(fast_bt, "_gather_and_slots_fast_kernel", fused)
     bt = filled("fast")
     idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
     tables_out, slots = bt.gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=padded)
@@ -607,12 +623,13 @@ def test_fused_gather_and_slots_equal_the_two_calls(padded, monkeypatch):
     assert [tuple(t.shape) for t in tables_out] == [(padded or 3, 13), (padded or 3, 7)]
     assert tuple(slots.shape) == (2, 5)
     for impl in IMPLS:
-        for t in bt.input_block_tables:
+        two = filled(impl)                                        # the same tables, the two calls
+        for t in two.input_block_tables:
             t.fill_(-7)
-        bt.slot_mappings.fill_(-9)
-        bt.gather_block_tables(idx, padded, impl=impl)
-        bt.compute_slot_mappings(qsl, pos, impl=impl)
-        want = [host(t) for t in bt.input_block_tables] + [host(bt.slot_mappings)]
+        two.slot_mappings.fill_(-9)
+        two.gather_block_tables(idx, padded)
+        two.compute_slot_mappings(qsl, pos)
+        want = [host(t) for t in two.input_block_tables] + [host(two.slot_mappings)]
         # Columns past a row's count are stale (-7 here, whatever the fused call left there).
         for g, (a, b) in enumerate(zip(got[:2], want[:2])):
             counts = bt.num_blocks.np[g, host(idx)]
@@ -679,9 +696,9 @@ def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(rows, prog
     # loop over the tiles up to the count read from the buffer (STRIDED); the interpreter can
     # run that launch too. Tiles of one or two writes make the programs loop (4 writes); the
     # three-block write takes its first id from firsts, the other two from the values region.
-    apply = CountingKernel(v2bt._apply_block_table_writes_kernel)
-    monkeypatch.setattr(v2bt, "_apply_block_table_writes_kernel", apply)
-    monkeypatch.setattr(v2bt, "_capturing", lambda device: True)
+    apply = CountingKernel(fast_bt._apply_block_table_writes_kernel)
+    monkeypatch.setattr(fast_bt, "_apply_block_table_writes_kernel", apply)
+    monkeypatch.setattr(fast_bt, "_capturing", lambda device: True)
     bt = filled("fast")
     bt.capture_write_rows, bt.capture_write_programs = rows, programs
     bt.append_block_ids(1, ([41], [42]), overwrite=False)
@@ -697,28 +714,3 @@ def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(rows, prog
     after[1][2, 2:5] = 0
     assert all(np.array_equal(a, b) for a, b in zip(after, before))
     assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
-
-
-@pytest.mark.parametrize("capture_grid", [False, True])
-def test_single_launch_step_equals_apply_then_fused(capture_grid, monkeypatch):
-    if capture_grid:      # the grid and STRIDED a CUDA-graph capture would use
-        monkeypatch.setattr(v2bt, "_capturing", lambda device: True)
-    kernel = CountingKernel(v2bt._whole_step_fast_kernel)
-    monkeypatch.setattr(v2bt, "_whole_step_fast_kernel", kernel)
-    a, b = filled("fast"), filled("fast")
-    if capture_grid:      # one write per tile: the write programs loop (3 writes, 2 programs)
-        b.capture_write_rows = 1
-    idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
-    for step in range(2):
-        for bt in (a, b):
-            bt.append_block_ids(1, ([60 + step], [70 + step]), overwrite=False)
-            bt.append_block_ids(3, ([80 + step], []), overwrite=False)
-        a.apply_staged_writes()
-        a.gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=4)
-        b.apply_gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=4)
-        assert kernel.launches == step + 1
-        for x, y in zip(tables(a) + [host(t) for t in a.input_block_tables] + [host(a.slot_mappings)],
-                        tables(b) + [host(t) for t in b.input_block_tables] + [host(b.slot_mappings)]):
-            assert np.array_equal(x, y)
-        assert host(b._step_sync).tolist() == [0, 0]
-        assert host(b._num_blocks_device).tolist() == b.num_blocks.np.tolist()

@@ -1,4 +1,4 @@
-"""v2 host/device buffers (spec §3.2): UvaBuffer, UvaBufferPool, UvaBackedTensor, StagedWriteTensor.
+"""v2 host/device buffers (vLLM's ``vllm/v1/worker/gpu/buffer_utils.py``): UvaBuffer, UvaBufferPool, UvaBackedTensor, StagedWriteTensor.
 
 On a CPU-only machine the device-visible buffers are host memory and the write kernel runs in
 Triton's interpreter; on a GPU the same tests run against pinned memory read through UVA and the
@@ -48,11 +48,15 @@ def test_uva_buffer_views_share_memory():
 def test_pool_advances_the_cursor_before_use():
     pool = UvaBufferPool(4, torch.int32, max_concurrency=3)
     first = pool.copy_to_uva([1, 2])
-    assert pool._curr == 1                                          # the first call uses buffer 1
-    assert pool._uva_bufs[1].np[:2].tolist() == [1, 2] and not pool._uva_bufs[0].np.any()
+    assert pool.current_index == 1                                  # the first call uses buffer 1
+    assert pool.index_of(first) == 1
+    contents = pool.host_contents()
+    assert contents[1][:2].tolist() == [1, 2] and not contents[0].any() and len(contents) == 3
     assert first.shape == (2,) and host(first).tolist() == [1, 2]
     second = pool.copy_to_uva(np.array([5, 6, 7], dtype=np.int32))
-    assert pool._curr == 2 and host(second).tolist() == [5, 6, 7]
+    assert pool.current_index == 2 and host(second).tolist() == [5, 6, 7]
+    contents[1][0] = 99                                             # a copy: the buffer is untouched
+    assert host(first).tolist() == [1, 2] and pool.index_of(torch.zeros(1, device=DEV)) is None
     assert host(first).tolist() == [1, 2]                           # the earlier view kept its data
     pool.copy_to_uva(torch.tensor([9], dtype=torch.int32))          # buffer 0
     pool.copy_to_uva([4])                                           # buffer 1 again: reused
@@ -201,6 +205,19 @@ def test_stage_write_elem_one_and_two_dimensional():
     table.stage_write_elem(2, 1.5)
     table.apply_write()
     assert host(table.gpu)[2].tolist() == [1.5, 0.0, 0.0, 0.0] and not host(table.gpu)[:2].any()
+
+
+def test_staged_writes_are_listed_in_order_as_copies():
+    t = StagedWriteTensor((3, 4), torch.int32, DEV)
+    t.stage_write(2, 1, [5, 6])
+    t.stage_write_elem(0, 7)
+    t.stage_write(1, 0, [])                                         # stages nothing
+    writes = t.staged_writes()
+    assert writes == [(2, 1, (5, 6)), (0, 0, (7,))]
+    writes.clear()
+    assert t.num_staged_writes == 2 and len(t.staged_writes()) == 2
+    t.apply_write()
+    assert t.staged_writes() == []
 
 
 def test_clear_staged_writes_drops_them():

@@ -11,11 +11,12 @@ from matplotlib.colors import to_hex  # noqa: E402
 
 from paged_attention import runtime  # noqa: E402
 from paged_attention.utils import cdiv  # noqa: E402
-from paged_attention.v2 import BlockTables, StagedWriteTensor, UvaBackedTensor  # noqa: E402
+from paged_attention.v2 import (  # noqa: E402
+    BlockTables, SlotProgram, StagedWriteTensor, UvaBackedTensor, fast_slot_programs, vllm_slot_programs,
+)
 from paged_attention.viz import (  # noqa: E402
-    SlotProgram, StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
-    draw_uva_counters, draw_v2_step_times, fast_slot_programs, gather_kinds, seq_color,
-    seed_slot_programs, snapshot_uva, staged_writes,
+    StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
+    draw_uva_counters, draw_v2_step_times, gather_kinds, seq_color, snapshot_uva, staged_writes,
 )
 
 DEV = runtime.DEVICE
@@ -196,7 +197,7 @@ def gathered_two_steps(impl):
     return bt, rows
 
 
-@pytest.mark.parametrize("impl", ["seed", "fast"])
+@pytest.mark.parametrize("impl", ["vllm", "fast"])
 def test_gather_kinds_match_the_kernel(impl):
     bt, rows = gathered_two_steps(impl)
     kinds = gather_kinds(bt.num_blocks.np[0], [1, 0, 2], rows)
@@ -241,9 +242,9 @@ def test_draw_gather_draws_arrows_and_cells_by_kind():
 
 # --- the slot-mapping grid -------------------------------------------------------------------------------
 
-def test_seed_slot_programs_cover_each_group_once():
+def test_vllm_slot_programs_cover_each_group_once():
     qsl = [0, 3, 3, 5, 9]
-    progs = seed_slot_programs(qsl, 16, 2)
+    progs = vllm_slot_programs(qsl, 16, 2)
     assert len(progs) == 2 * (4 + 1)
     assert progs[0] == SlotProgram((0, 0), 0, 0, 3, "request")
     assert progs[1] == SlotProgram((0, 1), 0, 3, 3, "request")          # an empty request still has a program
@@ -253,12 +254,12 @@ def test_seed_slot_programs_cover_each_group_once():
         assert [p.pid for p in mine] == [(g, b) for b in range(5)]
         covered = [t for p in mine for t in range(p.start, p.stop)]
         assert covered == list(range(16))                              # every slot once, in order
-    assert seed_slot_programs([0], 4, 1) == [SlotProgram((0, 0), 0, 0, 4, "padding")]
+    assert vllm_slot_programs([0], 4, 1) == [SlotProgram((0, 0), 0, 0, 4, "padding")]
     for bad in ([1, 3], [0, 3, 2], [0, 17]):
         with pytest.raises(ValueError):
-            seed_slot_programs(bad, 16, 1)
+            vllm_slot_programs(bad, 16, 1)
     with pytest.raises(ValueError):
-        seed_slot_programs([0, 1], 16, 0)
+        vllm_slot_programs([0, 1], 16, 0)
 
 
 def test_fast_slot_programs_tile_the_buffer():
@@ -281,13 +282,13 @@ def test_draw_slot_mapping_grid_draws_every_program():
     qsl = [0, 3, 3, 5]
     ax = draw_slot_mapping_grid(qsl, 16, 2, 4, requests=["A", "B", "C"])
     assert isinstance(ax, Axes)
-    assert len(patches(ax, "seed_program")) == 2 * 3                   # the empty request's too
-    assert len(patches(ax, "seed_padding")) == 2
+    assert len(patches(ax, "vllm_program")) == 2 * 3                   # the empty request's too
+    assert len(patches(ax, "vllm_padding")) == 2
     assert len(patches(ax, "fast_program")) == 4
     assert len(patches(ax, "token")) == 5 and len(patches(ax, "pad_token")) == 11
     tokens = patches(ax, "token")
     assert color(tokens[0]) == seq_color(0).lower() and color(tokens[3]) == seq_color(2).lower()
-    assert "8 programs" in " ".join(texts(ax, "seed_count")) and "4 programs" in " ".join(texts(ax, "fast_count"))
+    assert "8 programs" in " ".join(texts(ax, "vllm_count")) and "4 programs" in " ".join(texts(ax, "fast_count"))
     assert "(1, 3)" in texts(ax)                                       # group 1's padding program
     with pytest.raises(ValueError):
         draw_slot_mapping_grid(qsl, 16, 2, 4, requests=["A"])
@@ -299,7 +300,7 @@ def test_draw_slot_mapping_grid_draws_every_program():
 
 def test_draw_v2_step_times_one_line_per_path():
     sizes = [8, 32, 128]
-    times = {"v1: numpy + copies": [30.0, 60.0, 200.0], "v2 seed": [40.0, 42.0, 50.0], "v2 ours": [35.0, 36.0, 38.0]}
+    times = {"v1: numpy + copies": [30.0, 60.0, 200.0], "v2 vLLM's kernels": [40.0, 42.0, 50.0], "v2 ours": [35.0, 36.0, 38.0]}
     ax = draw_v2_step_times(sizes, times, title="t")
     assert [line.get_label() for line in ax.get_lines()] == list(times)
     assert list(ax.get_lines()[0].get_xdata()) == sizes

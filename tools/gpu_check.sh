@@ -24,7 +24,6 @@ for s in $STEPS; do
     check) step check python -m paged_attention check ;;
     bench) step bench_cuda python benchmarks/bench_decode.py --cuda
            step bench_triton python benchmarks/bench_decode.py
-           step bench_l2 python benchmarks/bench_decode.py --l2-hint
            step bench_v2 python benchmarks/bench_v2_block_tables.py ;;
     *) echo "unknown step $s" ;;
   esac

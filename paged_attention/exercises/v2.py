@@ -1,8 +1,9 @@
 """Exercises of ``04_v2_triton_block_tables.ipynb``.
 
 Each checker builds its scenario with the v2 ``BlockTables`` (its Triton kernels run, in the
-interpreter on a CPU: a few small launches) or with the grid helpers of ``viz.v2``, and compares
-the student's answer with what they hold or compute.
+interpreter on a CPU: a few small launches) or with the kernels' grids as lists
+(``vllm_slot_programs``, ``fast_slot_programs``), and compares the student's answer with what they
+hold or compute.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.exercises import as_int, as_int_list, report
-from paged_attention.v2.block_table import BlockTables
-from paged_attention.viz.v2 import fast_slot_programs, seed_slot_programs
+from paged_attention.v2.block_table import BlockTables, vllm_slot_programs
+from paged_attention.v2.block_table_fast import fast_slot_programs
 
 
 def _i32(values: Sequence[int]) -> torch.Tensor:
@@ -96,18 +97,18 @@ def block_counts(host: int, device: int) -> bool:
     )
 
 
-def slot_programs(seed: int, ours: int, num_groups: int = 2, num_reqs: int = 1024, tokens_per_req: int = 1,
+def slot_programs(vllm: int, ours: int, num_groups: int = 2, num_reqs: int = 1024, tokens_per_req: int = 1,
                   max_num_batched_tokens: int = 16384, block_tokens: int = 128) -> bool:
     """Exercise 4: two KV-cache groups, a decode batch of 1024 requests (one token each),
-    ``max_num_batched_tokens = 16384``. How many programs does the seed's slot-mapping kernel
+    ``max_num_batched_tokens = 16384``. How many programs does vLLM's slot-mapping kernel
     launch, and how many ours with tiles of 128 slots (its GPU setting)?"""
     qsl = [b * tokens_per_req for b in range(num_reqs + 1)]
-    expected = (len(seed_slot_programs(qsl, max_num_batched_tokens, num_groups)),
+    expected = (len(vllm_slot_programs(qsl, max_num_batched_tokens, num_groups)),
                 len(fast_slot_programs(max_num_batched_tokens, block_tokens)))
     return report(
-        (as_int(seed, "seed"), as_int(ours, "ours")) == expected,
-        f"seed: {num_groups} groups x ({num_reqs} requests + 1 padding program) = {expected[0]}; ours: "
+        (as_int(vllm, "vllm"), as_int(ours, "ours")) == expected,
+        f"vLLM's: {num_groups} groups x ({num_reqs} requests + 1 padding program) = {expected[0]}; ours: "
         f"cdiv({max_num_batched_tokens}, {block_tokens}) = {expected[1]} tiles, each doing every group",
-        "the seed's grid is (num_groups, num_reqs + 1); ours has one program per tile of block_tokens slots "
+        "vLLM's grid is (num_groups, num_reqs + 1); ours has one program per tile of block_tokens slots "
         "of the whole buffer (max_num_batched_tokens), whatever the number of requests or groups",
     )

@@ -1,5 +1,5 @@
-"""vLLM's model runner v2 block tables (spec §3): the tables live on the GPU and Triton kernels
-build everything the attention kernels read from them.
+"""vLLM's model runner v2 block tables: the tables live on the GPU and Triton kernels build
+everything the attention kernels read from them.
 
 v1 (``paged_attention.v1``) keeps a batch-ordered table on the CPU, edits it with numpy and
 copies the rows in use to the GPU every step. v2 turns this around:
@@ -14,15 +14,18 @@ copies the rows in use to the GPU every step. v2 turns this around:
   tables attention reads (``gather_block_tables``), and another computes every token's slot,
   for every KV-cache group in one launch (``compute_slot_mappings``).
 
-Read in this order: ``buffers`` (the two host/device buffers), then ``block_table``
-(``BlockTables`` and its kernels).
+Read in this order: ``buffers`` (the two host/device buffers), ``block_table`` (``BlockTables``
+with kernels shaped like vLLM's), then ``block_table_fast`` (``FastBlockTables``: our faster
+kernels, what ``BlockTables(...)`` makes by default).
 """
 import paged_attention.runtime  # noqa: F401  (sets TRITON_INTERPRET before the kernels below)
-from paged_attention.v2.block_table import BlockTables
+from paged_attention.v2.block_table import IMPLS, BlockTables, SlotProgram, vllm_slot_programs
+from paged_attention.v2.block_table_fast import FastBlockTables, fast_slot_programs
 from paged_attention.v2.buffers import (StagedWriteTensor, UnsupportedDtypeError, UvaBackedTensor,
                                         UvaBuffer, UvaBufferPool, async_copy_to_gpu)
 
 __all__ = [
-    "BlockTables", "StagedWriteTensor", "UnsupportedDtypeError", "UvaBackedTensor", "UvaBuffer",
-    "UvaBufferPool", "async_copy_to_gpu",
+    "BlockTables", "FastBlockTables", "IMPLS", "SlotProgram", "StagedWriteTensor", "UnsupportedDtypeError",
+    "UvaBackedTensor", "UvaBuffer", "UvaBufferPool", "async_copy_to_gpu", "fast_slot_programs",
+    "vllm_slot_programs",
 ]

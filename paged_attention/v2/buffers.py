@@ -1,4 +1,4 @@
-"""Host/device buffers of the v2 model runner (spec §3.2, ``vllm/v1/worker/gpu/buffer_utils.py``).
+"""Host/device buffers of the v2 model runner (``vllm/v1/worker/gpu/buffer_utils.py``).
 
 v1 copies a whole batch-ordered table from the host to the GPU every step. v2 avoids both the
 copy and the host-side table, with two ideas:
@@ -23,7 +23,7 @@ re-bound to the next pool buffer on every ``copy_to_uva``.
 Bad input (a negative or too-large row, a write past the end of a row, an unsupported dtype, a
 non-CPU source) raises ``ValueError``/``IndexError``/``TypeError`` before anything is staged or
 copied, so the buffers are unchanged after a failed call. vLLM asserts some of these (``index >=
-0``); here they are real exceptions (DESIGN.md, "Errors").
+0``); here they are real exceptions, so that a wrong argument never passes silently.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from paged_attention.utils import check_device, is_int
 
 Size = Union[int, Sequence[int]]
 
-# The dtypes a StagedWriteTensor can hold (spec §3.2): what its kernel copies.
+# The dtypes a StagedWriteTensor can hold, as in vLLM: what its kernel copies.
 STAGED_WRITE_DTYPES = (torch.int32, torch.int64, torch.float32)
 
 _NUMPY_INT_RANGE = {
@@ -157,7 +157,7 @@ def _device_view_of_host(host: torch.Tensor) -> torch.Tensor:
 
 
 class UvaBuffer:
-    """Pinned host memory that the GPU reads and writes directly (spec §3.2).
+    """Pinned host memory that the GPU reads and writes directly.
 
     ``UvaBuffer(size, dtype)``: ``.cpu`` is a zero host tensor, ``.np`` its numpy view, and
     ``.uva`` a device tensor over the *same* bytes: a write to ``.np`` is seen by the next kernel
@@ -183,7 +183,7 @@ class UvaBuffer:
 
 class UvaBufferPool:
     """A few ``UvaBuffer``s used in turn, so the host never rewrites the buffer the GPU was last
-    given (spec §3.2).
+    given.
 
     ``UvaBufferPool(size, dtype, max_concurrency=2)``. ``copy_to_uva(x)`` first moves the cursor
     to the next buffer (so the first call uses buffer 1), copies ``x`` (a tensor, numpy array or
@@ -217,9 +217,23 @@ class UvaBufferPool:
             buf.np[:n] = src
         return buf.uva[:n]
 
+    # ---- Read-only views, for drawings and tests ------------------------------------------------
+    @property
+    def current_index(self) -> int:
+        """The buffer the last ``copy_to_uva`` (or ``next_buffer``) used; the next uses the one after."""
+        return self._curr
+
+    def index_of(self, view: torch.Tensor) -> Optional[int]:
+        """Which buffer ``view`` (a device view ``copy_to_uva`` returned) starts at, or None."""
+        return next((k for k, b in enumerate(self._uva_bufs) if b.uva.data_ptr() == view.data_ptr()), None)
+
+    def host_contents(self) -> tuple[np.ndarray, ...]:
+        """A copy of every buffer's contents, buffer 0 first."""
+        return tuple(b.np.copy() for b in self._uva_bufs)
+
     def next_buffer(self) -> UvaBuffer:
         """Move the cursor (as ``copy_to_uva`` does) and return that whole buffer, for a caller
-        that fills it in place through ``.np`` (ours: ``BlockTables`` packs a step into one)."""
+        that fills it in place through ``.np`` (``FastBlockTables`` packs a step into one)."""
         self._curr = (self._curr + 1) % self.max_concurrency
         return self._uva_bufs[self._curr]
 
@@ -294,7 +308,7 @@ class UvaBufferPool:
 
 
 class UvaBackedTensor:
-    """A host tensor that GPU kernels read, refreshed by ``copy_to_uva`` (spec §3.2).
+    """A host tensor that GPU kernels read, refreshed by ``copy_to_uva``.
 
     ``UvaBackedTensor(size, dtype, max_concurrency=2)``. The truth is ``.cpu`` (a plain host
     tensor) and its numpy view ``.np``, which Python edits freely. ``.gpu`` is what kernels get:
@@ -339,7 +353,7 @@ class UvaBackedTensor:
 
 # ---- Staged writes -------------------------------------------------------------------------------
 class StagedWriteTensor:
-    """A device tensor changed by staged writes, all applied with one kernel launch (spec §3.2).
+    """A device tensor changed by staged writes, all applied with one kernel launch.
 
     ``StagedWriteTensor(size, dtype, device, max_concurrency=2, uva_instead_of_gpu=False)``:
 
@@ -434,6 +448,16 @@ class StagedWriteTensor:
                 return s, e
         return None
 
+    def staged_writes(self) -> list[tuple[int, int, tuple]]:
+        """The writes staged since the last apply/clear, in order, as ``(index, start, values)``
+        (copies: what the next ``apply_write`` hands to the kernel, one program each)."""
+        writes, begin = [], 0
+        for index, start, end in zip(self._staged_write_indices, self._staged_write_starts,
+                                     self._staged_write_cu_lens):
+            writes.append((index, start, tuple(self._staged_write_contents[begin:end])))
+            begin = end
+        return writes
+
     @property
     def num_staged_writes(self) -> int:
         """How many writes wait for ``apply_write``."""
@@ -441,7 +465,7 @@ class StagedWriteTensor:
 
     def pop_staged_writes(self) -> tuple[list[int], list[int], list, list[int]]:
         """Take the staged writes out without applying them: ``(indices, starts, contents,
-        cu_lens)``. ``BlockTables`` uses this to apply the writes of all its tables at once."""
+        cu_lens)``. ``FastBlockTables`` uses this to apply the writes of all its tables at once."""
         staged = (self._staged_write_indices, self._staged_write_starts, self._staged_write_contents,
                   self._staged_write_cu_lens)
         self.clear_staged_writes()

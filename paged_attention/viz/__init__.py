@@ -27,9 +27,8 @@ from paged_attention.viz.v1 import (
     draw_slot_mapping_arrows, draw_slot_mapping_times, request_kinds, snapshot_rows,
 )
 from paged_attention.viz.v2 import (
-    SlotProgram, StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
-    draw_uva_counters, draw_v2_step_times, fast_slot_programs, gather_kinds, seed_slot_programs, snapshot_uva,
-    staged_writes,
+    StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
+    draw_uva_counters, draw_v2_step_times, gather_kinds, snapshot_uva, staged_writes,
 )
 
 __all__ = [
@@ -45,8 +44,7 @@ __all__ = [
     "RowsSnapshot", "snapshot_rows", "cell_kinds", "draw_row_history", "request_kinds",
     "draw_slot_mapping_arrows", "draw_dcp_ownership", "draw_kernel_blocks", "draw_slot_mapping_times",
     "StagedWrite", "staged_writes", "apply_writes", "draw_staged_writes", "UvaSnapshot", "snapshot_uva",
-    "draw_uva_counters", "gather_kinds", "draw_gather", "SlotProgram", "seed_slot_programs", "fast_slot_programs",
-    "draw_slot_mapping_grid", "draw_v2_step_times",
+    "draw_uva_counters", "gather_kinds", "draw_gather", "draw_slot_mapping_grid", "draw_v2_step_times",
     "KVPage", "kv_pages", "kv_dim_of", "draw_raw_to_views", "element_order", "draw_element_order",
     "draw_shared_tensors",
 ]

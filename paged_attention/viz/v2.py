@@ -9,9 +9,10 @@
 * ``gather_kinds`` + ``draw_gather``: the persistent rows (one per request state) and the
   batch-ordered rows ``gather_block_tables`` fills through ``idx_mapping``, with an arrow per
   batch row, stale columns and padded rows marked.
-* ``seed_slot_programs`` / ``fast_slot_programs`` + ``draw_slot_mapping_grid``: which tokens each
-  program of ``compute_slot_mappings`` handles: the seed's one program per (group, request) plus a
-  padding program per group, and our token-parallel tiles, each doing every group.
+* ``draw_slot_mapping_grid``: which tokens each program of ``compute_slot_mappings`` handles
+  (the grids ``vllm_slot_programs`` and ``fast_slot_programs`` of ``paged_attention.v2`` list):
+  vLLM's one program per (group, request) plus a padding program per group, and our
+  token-parallel tiles, each doing every group.
 * ``draw_v2_step_times``: the v1 and v2 step times against the batch size (GPU).
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-from paged_attention.utils import cdiv
+from paged_attention.v2.block_table import vllm_slot_programs
+from paged_attention.v2.block_table_fast import fast_slot_programs
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
 from paged_attention.viz.style import (
     EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, positive_int_list, seq_color,
@@ -75,13 +77,7 @@ def staged_writes(tensor: StagedWriteTensor) -> list[StagedWrite]:
     cleared): what its next ``apply_write()`` hands to the kernel, one program each."""
     if not isinstance(tensor, StagedWriteTensor):
         raise TypeError(f"tensor must be a StagedWriteTensor, got {type(tensor).__name__}")
-    writes, begin = [], 0
-    contents = tensor._staged_write_contents
-    for row, start, end in zip(tensor._staged_write_indices, tensor._staged_write_starts,
-                               tensor._staged_write_cu_lens):
-        writes.append(StagedWrite(int(row), int(start), tuple(contents[begin:end])))
-        begin = end
-    return writes
+    return [StagedWrite(int(row), int(start), ids) for row, start, ids in tensor.staged_writes()]
 
 
 def _checked_writes(writes: Any, shape: tuple[int, int]) -> list[StagedWrite]:
@@ -235,12 +231,10 @@ def snapshot_uva(tensor: UvaBackedTensor, label: str) -> UvaSnapshot:
         raise TypeError(f"tensor must be a UvaBackedTensor, got {type(tensor).__name__}")
     if not isinstance(label, str):
         raise TypeError(f"label must be a str, got {type(label).__name__}")
-    bufs = tensor.pool._uva_bufs
-    gpu_ptr = tensor.gpu.data_ptr()
-    current = next((k for k, b in enumerate(bufs) if b.uva.data_ptr() == gpu_ptr), None)
+    pool = tensor.pool
     rows = int(tensor.gpu.shape[0]) if tensor.gpu.dim() > 1 else (1 if tensor.gpu.numel() else 0)
-    return UvaSnapshot(label, _as_rows(tensor.np), tuple(_as_rows(b.np) for b in bufs), current, rows,
-                       (tensor.pool._curr + 1) % tensor.pool.max_concurrency)
+    return UvaSnapshot(label, _as_rows(tensor.np), tuple(_as_rows(b) for b in pool.host_contents()),
+                       pool.index_of(tensor.gpu), rows, (pool.current_index + 1) % pool.max_concurrency)
 
 
 def draw_uva_counters(snapshots: Any, row_labels: Sequence[str] | None = None, ax: Any = None,
@@ -322,7 +316,7 @@ def gather_kinds(num_blocks: Any, idx_mapping: Any, gathered: Any) -> list[list[
 
     * ``"copied"``: column ``< num_blocks[idx_mapping[b]]``: copied from the request's row now;
     * ``"stale"``: past that count but not zero: left from an earlier step (the gather copies
-      only ``num_blocks`` columns; pitfall 20);
+      only ``num_blocks`` columns, as vLLM does: attention never reads them);
     * ``"empty"``: past the count and zero;
     * ``"padding"``: a row ``b >= len(idx_mapping)`` (``num_reqs_padded``), zeroed.
     """
@@ -440,73 +434,25 @@ def draw_gather(persistent: Any, num_blocks: Any, idx_mapping: Any, gathered: An
 
 
 # --------------------------------------------------------------------------------------------
-# 4. The slot-mapping kernel's grid: the seed's programs and our tiles
+# 4. The slot-mapping kernel's grid: vLLM's programs and our tiles
 # --------------------------------------------------------------------------------------------
-
-class SlotProgram(NamedTuple):
-    """One program of a slot-mapping launch and the slots ``[start, stop)`` it writes.
-
-    ``pid`` is its program id (``(group, request)`` for the seed, ``(tile,)`` for ours);
-    ``group`` the KV-cache group it writes (None: every group); ``kind`` is ``"request"`` (one
-    request's tokens), ``"padding"`` (the tail, filled with PAD_SLOT_ID) or ``"tile"`` (ours: a
-    run of slots, real tokens and padding alike).
-    """
-    pid: tuple
-    group: int | None
-    start: int
-    stop: int
-    kind: str
-
-
-def _checked_qsl(query_start_loc: Any, max_num_tokens: int) -> list[int]:
-    qsl = int_list(query_start_loc, "query_start_loc")
-    if not qsl or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > max_num_tokens:
-        raise ValueError(f"query_start_loc must rise from 0 to at most max_num_tokens={max_num_tokens}, got {qsl}")
-    return qsl
-
-
-def seed_slot_programs(query_start_loc: Any, max_num_tokens: int, num_groups: int) -> list[SlotProgram]:
-    """The seed's grid ``(num_groups, num_reqs + 1)``: program ``(g, b)`` writes request ``b``'s
-    slots ``query_start_loc[b] .. query_start_loc[b+1]-1`` in group ``g``; the last one of each
-    group, ``(g, num_reqs)``, pads ``[query_start_loc[num_reqs], max_num_tokens)``."""
-    max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
-    num_groups = positive_int("num_groups", num_groups)
-    qsl = _checked_qsl(query_start_loc, max_num_tokens)
-    num_reqs = len(qsl) - 1
-    programs = []
-    for g in range(num_groups):
-        for b in range(num_reqs):
-            programs.append(SlotProgram((g, b), g, qsl[b], qsl[b + 1], "request"))
-        programs.append(SlotProgram((g, num_reqs), g, qsl[-1], max_num_tokens, "padding"))
-    return programs
-
-
-def fast_slot_programs(max_num_tokens: int, block_tokens: int) -> list[SlotProgram]:
-    """Our grid ``(cdiv(max_num_tokens, block_tokens),)``: program ``p`` takes slots ``p *
-    block_tokens`` onwards (a tile), finds each one's request by binary search in
-    ``query_start_loc`` (or pads it), and writes it in every group."""
-    max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
-    block_tokens = positive_int("block_tokens", block_tokens)
-    return [SlotProgram((p,), None, p * block_tokens, min((p + 1) * block_tokens, max_num_tokens), "tile")
-            for p in range(cdiv(max_num_tokens, block_tokens))]
-
 
 def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups: int, block_tokens: int,
                            requests: Sequence[str] | None = None, ax: Any = None, title: str | None = None) -> Any:
     """The slot-mapping buffer's ``max_num_tokens`` slots (top, coloured by batch position;
-    padding grey) and, under them, which program writes which slots: the seed's (one lane per
+    padding grey) and, under them, which program writes which slots: vLLM's (one lane per
     group; a box per request program, the padding program hatched) and ours (tiles of
     ``block_tokens`` slots, each box spanning every group). ``requests`` names the batch
     positions."""
     max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
     num_groups = positive_int("num_groups", num_groups)
     block_tokens = positive_int("block_tokens", block_tokens)
-    qsl = _checked_qsl(query_start_loc, max_num_tokens)
+    qsl = int_list(query_start_loc, "query_start_loc")
+    vllm = vllm_slot_programs(qsl, max_num_tokens, num_groups)       # checks qsl too
     num_reqs = len(qsl) - 1
     if requests is not None and len(requests) != num_reqs:
         raise ValueError(f"requests names {len(requests)} batch positions, query_start_loc has {num_reqs}")
     names = [str(r) for r in requests] if requests is not None else [f"batch {b}" for b in range(num_reqs)]
-    seed = seed_slot_programs(qsl, max_num_tokens, num_groups)
     fast = fast_slot_programs(max_num_tokens, block_tokens)
     owner = [None] * max_num_tokens
     for b in range(num_reqs):
@@ -517,8 +463,8 @@ def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups
     w = 1.0 if T <= 40 else 40.0 / T           # width of one slot
     lane_h, pitch = 0.7, 0.95
     y_tok = 0.0
-    y_seed = y_tok - 1.6
-    y_fast = y_seed - num_groups * pitch - 1.0
+    y_vllm = y_tok - 1.6
+    y_fast = y_vllm - num_groups * pitch - 1.0
     ax = new_axes(ax, figsize=(min(15.0, 2.8 + 0.36 * T * w + 3.2), 1.6 + 0.42 * (2 * num_groups + 2)))
 
     ax.text(-0.3, y_tok + 0.35, "slots (tokens)", ha="right", va="center", fontsize=7.5, fontweight="bold")
@@ -537,25 +483,25 @@ def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups
         ax.text((qsl[-1] + T) / 2 * w, y_tok + lane_h + 0.08, "padding (PAD_SLOT_ID)", ha="center", va="bottom",
                 fontsize=7, color=MUTED_COLOR)
 
-    ax.text(-0.3, y_seed + 0.55, "seed", ha="right", va="bottom", fontsize=8, fontweight="bold")
+    ax.text(-0.3, y_vllm + 0.55, "vLLM's", ha="right", va="bottom", fontsize=8, fontweight="bold")
     for g in range(num_groups):
-        ax.text(-0.3, y_seed - g * pitch + lane_h / 2, f"group {g}", ha="right", va="center", fontsize=7)
-    for prog in seed:
-        y = y_seed - prog.group * pitch
+        ax.text(-0.3, y_vllm - g * pitch + lane_h / 2, f"group {g}", ha="right", va="center", fontsize=7)
+    for prog in vllm:
+        y = y_vllm - prog.group * pitch
         g, b = prog.pid
         width = max(prog.stop - prog.start, 0.25) * w if prog.kind == "request" else (prog.stop - prog.start) * w
         if prog.kind == "request":
-            face, alpha, hatch, gid = seq_color(b), 0.35, None, "seed_program"
+            face, alpha, hatch, gid = seq_color(b), 0.35, None, "vllm_program"
         else:
-            face, alpha, hatch, gid = PADDING_COLOR, 0.9, "xx", "seed_padding"
+            face, alpha, hatch, gid = PADDING_COLOR, 0.9, "xx", "vllm_padding"
         ax.add_patch(Rectangle((prog.start * w, y), width, lane_h, facecolor=face, alpha=alpha, edgecolor=EDGE_COLOR,
                                lw=1.1, hatch=hatch, gid=gid))
         if width >= 1.4:
             ax.text(prog.start * w + width / 2, y + lane_h / 2, f"({g}, {b})", ha="center", va="center", fontsize=6.5,
                     bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
-    ax.text(T * w + 0.3, y_seed - (num_groups - 1) * pitch / 2 + lane_h / 2,
-            f"grid ({num_groups}, {num_reqs} + 1):\n{len(seed)} programs; the last\nof each group pads",
-            ha="left", va="center", fontsize=7, gid="seed_count")
+    ax.text(T * w + 0.3, y_vllm - (num_groups - 1) * pitch / 2 + lane_h / 2,
+            f"grid ({num_groups}, {num_reqs} + 1):\n{len(vllm)} programs; the last\nof each group pads",
+            ha="left", va="center", fontsize=7, gid="vllm_count")
 
     ax.text(-0.3, y_fast + lane_h + 0.15, "ours", ha="right", va="bottom", fontsize=8, fontweight="bold")
     span_h = (num_groups - 1) * pitch + lane_h
@@ -586,7 +532,7 @@ def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups
 def draw_v2_step_times(batch_sizes: Sequence[int], times_us: dict[str, Sequence[float]], ax: Any = None,
                        title: str | None = None) -> Any:
     """Time per step (µs) against the number of requests in the batch, one line per
-    implementation (v1's numpy step with its copies, v2 seed, v2 ours, ...). Both axes are
+    implementation (v1's numpy step with its copies, v2 with vLLM's kernels, v2 with ours, ...). Both axes are
     logarithmic."""
     sizes = positive_int_list(batch_sizes, "batch_sizes")
     series = times_series(times_us, len(sizes), "batch sizes")
