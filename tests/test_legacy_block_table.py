@@ -48,7 +48,7 @@ def test_bad_allocator_arguments():
     with pytest.raises(ValueError):
         CpuGpuBlockAllocator.create("naive", -1, 2, 4)
     a = CpuGpuBlockAllocator.create("naive", 2, 2, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):                 # a device is a Device, not a str
         a.get_num_free_blocks("gpu")
     with pytest.raises(KeyError):
         a.get_physical_block_id(GPU, 3)            # a CPU id

@@ -82,6 +82,7 @@ def test_a_repeated_prefix_hits_the_cache_and_shares_its_blocks():
     a = _allocator()
     first = a.allocate_immutable_blocks(None, [[1, 2, 3, 4], [5, 6, 7, 8]])
     assert a.get_prefix_cache_hit_rate() == 0.0
+    a.mark_blocks_as_computed([])                  # their KV is written: hits are computed
     second = a.allocate_immutable_blocks(None, [[1, 2, 3, 4], [5, 6, 7, 8]])
     assert [b.block_id for b in second] == [b.block_id for b in first] == [0, 1]
     assert a.refcounter.get(0) == 2 and a.get_num_free_blocks() == 2
@@ -134,6 +135,7 @@ def test_newly_cached_blocks_count_as_computed_only_once_marked():
 def test_freed_cached_blocks_wait_in_the_evictor_and_can_be_revived():
     a = _allocator()
     blocks = a.allocate_immutable_blocks(None, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    a.mark_blocks_as_computed([])                  # computed before they are freed
     for b in blocks:
         a.free(b)
     assert a.get_num_free_blocks() == 4 and a.evictor.num_blocks == 2 and 0 in a.evictor

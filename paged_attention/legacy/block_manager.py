@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from paged_attention.legacy.block_table import BlockTable
-from paged_attention.legacy.common import BlockStateError, rehearse
+from paged_attention.legacy.common import BlockStateError, check_time, rehearse
 from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator, NullBlock
 from paged_attention.legacy.interfaces import AllocStatus, BlockAllocator
 from paged_attention.legacy.prefix_caching_block import ComputedBlocksTracker, LastAccessBlocksTracker
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_attention.utils import Device, cdiv
+from paged_attention.utils import Device, cdiv, check_int
 
 __all__ = ["SelfAttnBlockSpaceManager", "AllocStatus", "check_no_caching_or_swa_for_blockmgr_encdec"]
 
@@ -25,8 +27,18 @@ SeqId = int
 
 
 def _check_lookahead(num_lookahead_slots: int) -> None:
-    if num_lookahead_slots < 0:
-        raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+    if type(num_lookahead_slots) is not int or num_lookahead_slots < 0:     # the common case first
+        check_int("num_lookahead_slots", num_lookahead_slots, 0)
+
+
+def _check_seq(name: str, seq: object) -> None:
+    if not isinstance(seq, Sequence):
+        raise TypeError(f"{name} must be a Sequence, got {type(seq).__name__}")
+
+
+def _check_group(seq_group: object) -> None:
+    if not isinstance(seq_group, SequenceGroup):
+        raise TypeError(f"seq_group must be a SequenceGroup, got {type(seq_group).__name__}")
 
 
 def check_no_caching_or_swa_for_blockmgr_encdec(block_mgr: SelfAttnBlockSpaceManager, seq_group: SequenceGroup) -> None:
@@ -45,14 +57,27 @@ class SelfAttnBlockSpaceManager:
     ``sliding_window`` (in tokens) becomes a window of ``sliding_window // block_size + 2``
     blocks: the tokens a window can span may straddle one more block, and the block being
     written is one more.
+
+    Every argument is checked on the way in (TypeError for a wrong type, bools included where an
+    int is expected; ValueError for a bad value; KeyError for a sequence with no table), before
+    anything changes. ``watermark`` is the fraction of GPU blocks kept in reserve, in [0, 1).
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
                  sliding_window: Optional[int] = None, enable_caching: bool = False):
-        if not isinstance(watermark, (int, float)) or watermark < 0:
-            raise ValueError(f"watermark must be >= 0, got {watermark!r}")
-        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        block_size = check_int("block_size", block_size, 1)
+        num_gpu_blocks = check_int("num_gpu_blocks", num_gpu_blocks, 0)
+        num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        if isinstance(watermark, (bool, np.bool_)) or not isinstance(watermark, (int, float, np.integer, np.floating)):
+            raise TypeError(f"watermark must be a real number, got {watermark!r}")
+        if not 0 <= watermark < 1:                        # NaN and infinity fail this too
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        watermark = float(watermark)
+        if sliding_window is not None:
+            sliding_window = check_int("sliding_window", sliding_window, 1)
+        if not isinstance(enable_caching, (bool, np.bool_)):
+            raise TypeError(f"enable_caching must be a bool, got {enable_caching!r}")
+        enable_caching = bool(enable_caching)
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
@@ -70,6 +95,7 @@ class SelfAttnBlockSpaceManager:
         self._last_access_blocks_tracker = LastAccessBlocksTracker(self.block_allocator)
 
     def _table(self, seq: Sequence) -> BlockTable:
+        _check_seq("seq", seq)
         if seq.seq_id not in self.block_tables:
             raise KeyError(f"sequence {seq.seq_id} has no block table (not allocated, or freed)")
         return self.block_tables[seq.seq_id]
@@ -78,6 +104,7 @@ class SelfAttnBlockSpaceManager:
     def can_allocate(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> AllocStatus:
         """OK if the group's first waiting sequence fits now with the watermark to spare; NEVER
         if it could not fit even in an empty pool; LATER otherwise."""
+        _check_group(seq_group)
         check_no_caching_or_swa_for_blockmgr_encdec(self, seq_group)
         _check_lookahead(num_lookahead_slots)
         num_required_blocks = self._num_required_blocks(seq_group, num_lookahead_slots)
@@ -111,6 +138,7 @@ class SelfAttnBlockSpaceManager:
     def allocate(self, seq_group: SequenceGroup) -> None:
         """Tables for the group's waiting sequences: the first allocates its tokens, the others
         fork it (parallel samples share the prompt's blocks), plus the encoder's cross table."""
+        _check_group(seq_group)
         waiting = seq_group.get_seqs(status=SequenceStatus.WAITING)
         if not waiting:
             raise ValueError(f"request {seq_group.request_id!r} has no waiting sequence to allocate")
@@ -142,13 +170,13 @@ class SelfAttnBlockSpaceManager:
     def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int) -> bool:
         """Do the blocks every running sequence would write into fit in the free GPU blocks?
         (An upper bound, with no watermark: appends must not be refused for it.)"""
+        _check_group(seq_group)
         _check_lookahead(num_lookahead_slots)
         num_touched_blocks = self._num_null_blocks_needed()
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
             block_table = self._table(seq)
-            num_touched_blocks += block_table.get_num_blocks_touched_by_append_slots(
-                token_ids=block_table.get_unseen_token_ids(seq.get_token_ids()),
-                num_lookahead_slots=num_lookahead_slots)
+            num_touched_blocks += block_table._num_blocks_touched(   # arguments checked above
+                block_table.get_unseen_token_ids(seq.get_token_ids()), num_lookahead_slots)
         return num_touched_blocks <= self.block_allocator.get_num_free_blocks(Device.GPU)
 
     def _num_null_blocks_needed(self) -> int:
@@ -163,14 +191,16 @@ class SelfAttnBlockSpaceManager:
         """Append the sequence's unseen tokens; returns the new copy-on-write pairs (absolute
         GPU ids, which are also the GPU cache's block indices)."""
         block_table = self._table(seq)
-        block_table.append_token_ids(token_ids=block_table.get_unseen_token_ids(seq.get_token_ids()),
-                                     num_lookahead_slots=num_lookahead_slots,
-                                     num_computed_slots=seq.data.get_num_computed_tokens(),
-                                     extra_hash=seq.extra_hash())
+        _check_lookahead(num_lookahead_slots)
+        # A Sequence's tokens and counts are checked as they come in: no need to again.
+        block_table._append_checked(block_table.get_unseen_token_ids(seq.get_token_ids()), num_lookahead_slots,
+                                    seq.data.get_num_computed_tokens(), seq.extra_hash())
         return self.block_allocator.clear_copy_on_writes()
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares all of the parent's blocks (nothing happens if the parent has none)."""
+        _check_seq("parent_seq", parent_seq)
+        _check_seq("child_seq", child_seq)
         if parent_seq.seq_id not in self.block_tables:
             return
         if child_seq.seq_id in self.block_tables:
@@ -184,12 +214,17 @@ class SelfAttnBlockSpaceManager:
         no-op, except that its cached-token count is forgotten (vLLM returns first, and keeps the
         count of a request asked about and then dropped while waiting for ever). With caching,
         its blocks are first stamped with its last access time, so the evictor keeps recently
-        used prefixes longer."""
+        used prefixes longer; and the blocks its computed tokens cover are marked computed (their
+        KV was written, even if no ``mark_blocks_as_computed`` call said so), while those they
+        do not cover wait in the evictor as cached but not computed: never offered as KV."""
+        _check_seq("seq", seq)
         seq_id = seq.seq_id
         if seq_id not in self.block_tables:
             self.remove_seq_from_computed_blocks_tracker(seq)
             return
         block_table = self.block_tables[seq_id]
+        if self.enable_caching:
+            self._mark_computed_blocks(block_table, seq.data.get_num_computed_tokens())
         # Only GPU blocks carry access times (a swapped-out table's ids are CPU ids).
         gpu_ids = [i for i in block_table.physical_block_ids if i < self.num_total_gpu_blocks]
         self._last_access_blocks_tracker.update_seq_blocks_last_access(seq_id, gpu_ids)
@@ -201,10 +236,12 @@ class SelfAttnBlockSpaceManager:
     def remove_seq_from_computed_blocks_tracker(self, seq: Sequence) -> None:
         """Forget the sequence's prefix hashes. vLLM asserts they exist (so ``free`` failed for a
         sequence never asked about); here a sequence that was never tracked is fine."""
+        _check_seq("seq", seq)
         if seq.seq_id in self._computed_blocks_tracker:
             self._computed_blocks_tracker.remove_seq(seq.seq_id)
 
     def free_cross(self, seq_group: SequenceGroup) -> None:
+        _check_group(seq_group)
         request_id = seq_group.request_id
         if request_id not in self.cross_block_tables:
             return
@@ -216,6 +253,7 @@ class SelfAttnBlockSpaceManager:
         return self._table(seq).physical_block_ids
 
     def get_cross_block_table(self, seq_group: SequenceGroup) -> list[int]:
+        _check_group(seq_group)
         request_id = seq_group.request_id
         if request_id not in self.cross_block_tables:
             raise KeyError(f"request {request_id!r} has no cross-attention block table")
@@ -223,18 +261,48 @@ class SelfAttnBlockSpaceManager:
 
     # ---- Prefix caching -------------------------------------------------------------------------------
     def access_all_blocks_in_seq(self, seq: Sequence, now: float) -> None:
-        """Note when the sequence last ran; its blocks get the time when it is freed."""
+        """Note when the sequence last ran; its blocks get the time when it is freed. The time is
+        checked now (a str or NaN would only fail at ``free``, inside the evictor)."""
+        _check_seq("seq", seq)
+        check_time("now", now)
         if self.enable_caching:
             self._last_access_blocks_tracker.update_last_access(seq.seq_id, now)
 
     def mark_blocks_as_computed(self, seq_group: SequenceGroup, token_chunk_size: int) -> None:
-        """Every block promoted since the last call now holds computed KV (the arguments are
-        ignored, as in vLLM: it is called right after a prefill is scheduled)."""
-        self.block_allocator.mark_blocks_as_computed([])
+        """The group's next ``token_chunk_size`` tokens are scheduled: each sequence's blocks
+        that its computed tokens plus this chunk cover in full now count as computed, and may
+        be shared as computed KV.
+
+        vLLM ignores both arguments and marks every block cached since the last call, so after
+        the first chunk of a chunked prefill the whole prompt's blocks were offered to other
+        requests as KV to skip, though only the first chunk's had been written.
+        """
+        _check_group(seq_group)
+        token_chunk_size = check_int("token_chunk_size", token_chunk_size, 0)
+        if not self.enable_caching:
+            return
+        for seq in seq_group.get_seqs():
+            block_table = self.block_tables.get(seq.seq_id)
+            if block_table is not None:
+                self._mark_computed_blocks(block_table, seq.data.get_num_computed_tokens() + token_chunk_size)
+
+    def _mark_computed_blocks(self, block_table: BlockTable, num_computed_tokens: int) -> None:
+        """Mark computed the table's leading blocks that ``num_computed_tokens`` fill (a block
+        swapped out has a CPU id and is left alone). Cheap when nothing waits to be marked."""
+        gpu_allocator = self.block_allocator._gpu_allocator
+        if not gpu_allocator._touched_blocks:
+            return
+        num_blocks = min(num_computed_tokens, block_table.num_full_slots) // self.block_size
+        if num_blocks:
+            gpu_allocator._mark_ids_computed(block_table.physical_block_ids[:num_blocks])
 
     def get_common_computed_block_ids(self, seqs: list[Sequence]) -> list[int]:
         """The leading block ids that every sequence has cached and computed (the prefill can
         skip them)."""
+        if not isinstance(seqs, (list, tuple)):
+            raise TypeError(f"seqs must be a list of Sequences, got {type(seqs).__name__}")
+        for seq in seqs:
+            _check_seq("every item of seqs", seq)
         computed_seq_block_ids = []
         for seq in seqs:
             all_blocks = self._table(seq).physical_block_ids
@@ -243,6 +311,8 @@ class SelfAttnBlockSpaceManager:
         return self.block_allocator.get_common_computed_block_ids(computed_seq_block_ids)
 
     def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """The leading prompt tokens whose KV is cached and computed (the prefill may skip them)."""
+        _check_seq("seq", seq)
         return self._computed_blocks_tracker.get_num_cached_tokens(seq)
 
     def get_prefix_cache_hit_rate(self, device: Device) -> float:
@@ -268,6 +338,7 @@ class SelfAttnBlockSpaceManager:
         blocks reserved by an earlier lookahead move too, and its "yes" then ran out), and
         which says yes to a table holding the null block (it cannot move: NEVER here).
         """
+        _check_group(seq_group)
         _check_lookahead(num_lookahead_slots)
         num_blocks_touched = self._num_null_blocks_needed() if device == Device.GPU else 0
         blocks = []
@@ -303,6 +374,7 @@ class SelfAttnBlockSpaceManager:
               dst_device: Device) -> list[tuple[int, int]]:
         """All or nothing over the whole group: every table is checked to be on ``src_device``,
         and when the destination might not take them all, the swap is rehearsed on a copy."""
+        _check_group(seq_group)
         seqs = [seq for seq in seq_group.get_seqs(status=status) if self._table(seq).blocks]
         src_ids = self.block_allocator._allocators[src_device].all_block_ids
         for seq in seqs:

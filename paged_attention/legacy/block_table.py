@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from paged_attention.legacy.common import BlockList, BlockStateError, rehearse
+from paged_attention.legacy.common import (BlockList, BlockStateError, check_blocks, check_device,
+                                           check_extra_hash, check_token_ids, rehearse)
 from paged_attention.legacy.interfaces import Block, BlockAllocator, DeviceAwareBlockAllocator
-from paged_attention.utils import Device, cdiv, chunk_list
+from paged_attention.utils import Device, cdiv, check_int, chunk_list
 
 
 class BlockTable:
@@ -23,12 +24,21 @@ class BlockTable:
     complete or raise ``NoFreeBlocksError`` with the table and the allocator as they were. When
     the free blocks might not suffice, the call is first rehearsed on a copy (see
     ``common.rehearse``).
+
+    Arguments are checked before anything is taken: token ids must be ints (a list, a tuple, a
+    range or a 1-d integer numpy array; a str is refused), counts ints (not bools).
     """
 
     def __init__(self, block_size: int, block_allocator: DeviceAwareBlockAllocator,
                  _blocks: Optional[list[Block]] = None, max_block_sliding_window: Optional[int] = None):
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
+        block_size = check_int("block_size", block_size, 1)
+        if not isinstance(block_allocator, DeviceAwareBlockAllocator):
+            raise TypeError(f"block_allocator must be a DeviceAwareBlockAllocator, got "
+                            f"{type(block_allocator).__name__}")
+        if _blocks is not None:
+            _blocks = check_blocks("_blocks", _blocks)
+        if max_block_sliding_window is not None:
+            max_block_sliding_window = check_int("max_block_sliding_window", max_block_sliding_window, 1)
         self._block_size = block_size
         self._allocator = block_allocator
         self._blocks = BlockList(_blocks if _blocks is not None else [])
@@ -38,12 +48,18 @@ class BlockTable:
     @staticmethod
     def get_num_required_blocks(token_ids: list[int], block_size: int, num_lookahead_slots: int = 0) -> int:
         """Blocks for ``token_ids`` plus lookahead slots if nothing were shared."""
+        token_ids = check_token_ids("token_ids", token_ids)
+        block_size = check_int("block_size", block_size, 1)
+        check_int("num_lookahead_slots", num_lookahead_slots, 0)
         return cdiv(len(token_ids) + num_lookahead_slots, block_size)
 
     # ---- Allocate -------------------------------------------------------------------------------------
     def allocate(self, token_ids: list[int], device: Device = Device.GPU, extra_hash: Optional[int] = None) -> None:
         """Blocks for a prompt: its full chunks as immutable blocks (one call, so a fresh naive
         allocator numbers them 0, 1, 2, ...), a trailing partial chunk as a mutable one."""
+        token_ids = check_token_ids("token_ids", token_ids)
+        check_device(device)
+        check_extra_hash(extra_hash)
         if self._is_allocated:
             raise BlockStateError("the block table is already allocated")
         if len(token_ids) == 0:
@@ -57,7 +73,7 @@ class BlockTable:
 
     def update(self, blocks: list[Block]) -> None:
         """Replace the blocks (after a swap) and rebuild the id list."""
-        self._blocks.update(blocks)
+        self._blocks.update(check_blocks("blocks", blocks))
 
     # ---- Append -------------------------------------------------------------------------------------
     def append_token_ids(self, token_ids: list[int], num_lookahead_slots: int = 0,
@@ -69,14 +85,23 @@ class BlockTable:
         from the first non-full one; each write may copy a shared block on write or promote a
         block that fills up.
         """
+        token_ids = check_token_ids("token_ids", token_ids)
+        num_lookahead_slots = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        if num_computed_slots is not None:
+            num_computed_slots = check_int("num_computed_slots", num_computed_slots, 0)
+        check_extra_hash(extra_hash)
+        self._append_checked(token_ids, num_lookahead_slots, num_computed_slots, extra_hash)
+
+    def _append_checked(self, token_ids: list[int], num_lookahead_slots: int, num_computed_slots: Optional[int],
+                        extra_hash: Optional[int]) -> None:
+        """``append_token_ids`` once its arguments are known to be well typed (the block
+        manager's decode path, whose tokens come from a ``Sequence`` that checked them)."""
         if not self._is_allocated:
             raise BlockStateError("no blocks have been allocated")
-        if num_lookahead_slots < 0:
-            raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
         if self._max_block_sliding_window is not None:
-            if num_computed_slots is None or num_computed_slots < 0:
-                raise ValueError(f"a block table with a sliding window needs num_computed_slots >= 0, "
-                                 f"got {num_computed_slots}")
+            if num_computed_slots is None:
+                raise ValueError("a block table with a sliding window needs num_computed_slots (an int >= 0), "
+                                 "got None")
             end_block_idx = num_computed_slots // self._block_size - self._max_block_sliding_window
             if end_block_idx > self._num_full_slots // self._block_size:
                 raise ValueError(f"num_computed_slots={num_computed_slots} would drop the block the next token "
@@ -119,7 +144,7 @@ class BlockTable:
                     self._allocator.free(block)
                     self._blocks[idx] = null_block
 
-        self.ensure_num_empty_slots(num_empty_slots=len(token_ids) + num_lookahead_slots, extra_hash=extra_hash)
+        self._ensure_num_empty_slots(len(token_ids) + num_lookahead_slots, extra_hash)
 
         first_block_idx = self._num_full_slots // self._block_size
         for i, token_block in enumerate(self._chunk_token_blocks_for_append(token_ids)):
@@ -128,6 +153,11 @@ class BlockTable:
 
     def ensure_num_empty_slots(self, num_empty_slots: int, extra_hash: Optional[int] = None) -> None:
         """Append empty GPU blocks until at least ``num_empty_slots`` slots are free."""
+        num_empty_slots = check_int("num_empty_slots", num_empty_slots, 0)
+        check_extra_hash(extra_hash)
+        self._ensure_num_empty_slots(num_empty_slots, extra_hash)
+
+    def _ensure_num_empty_slots(self, num_empty_slots: int, extra_hash: Optional[int]) -> None:
         device = Device.GPU                      # tables only grow on the GPU
         if not self._is_allocated:
             raise BlockStateError("no blocks have been allocated")
@@ -172,6 +202,8 @@ class BlockTable:
 
     def get_unseen_token_ids(self, sequence_token_ids: list[int]) -> list[int]:
         """The sequence's tokens not yet appended to this table (its tail)."""
+        if type(sequence_token_ids) is not list:     # a list's tail is checked where it is used
+            sequence_token_ids = check_token_ids("sequence_token_ids", sequence_token_ids)
         return sequence_token_ids[self.num_full_slots:]
 
     def _allocate_blocks_for_token_ids(self, prev_block: Optional[Block], token_ids: list[int], device: Device,
@@ -224,6 +256,11 @@ class BlockTable:
         """Blocks an append of ``token_ids`` plus lookahead slots would write into: the
         current last block's free part, then whole blocks. Zero new slots touch nothing when
         the last block is full (1 + ceil(-1) = 0), one block when it is partly filled."""
+        token_ids = check_token_ids("token_ids", token_ids)
+        check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        return self._num_blocks_touched(token_ids, num_lookahead_slots)
+
+    def _num_blocks_touched(self, token_ids: list[int], num_lookahead_slots: int) -> int:
         num_token_ids = len(token_ids) + num_lookahead_slots
         first_chunk_size = self._block_size - (self._num_full_slots % self._block_size)
         return 1 + math.ceil((num_token_ids - first_chunk_size) / self._block_size)

@@ -5,12 +5,16 @@ blocks that keeps their ids at hand, and the prefix-cache hit-rate bookkeeping.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
+from paged_attention.utils import Device, is_int
 
 
 class BlockStateError(ValueError, AssertionError):
@@ -26,6 +30,86 @@ class UnknownBlockIdError(KeyError, AssertionError):
 class BlockTypeError(TypeError, AssertionError):
     """An object of the wrong kind where a block or allocator was expected (a TypeError, and an
     AssertionError as in vLLM)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks for the public entry points (cheap: run once per call, not per token)
+# --------------------------------------------------------------------------------------------
+
+def check_block(name: str, block: object, optional: bool = False) -> None:
+    """TypeError (a ``BlockTypeError``) unless ``block`` is a Block (or None when ``optional``)."""
+    if isinstance(block, Block) or (optional and block is None):
+        return
+    expected = "a Block or None" if optional else "a Block"
+    raise BlockTypeError(f"{name} must be {expected}, got {type(block).__name__}")
+
+
+def check_blocks(name: str, blocks: object, distinct: bool = False) -> list:
+    """``blocks`` as a list of Blocks; with ``distinct``, one block object listed twice is a
+    ValueError (moving or freeing it twice would corrupt the counts)."""
+    if not isinstance(blocks, (list, tuple)):
+        raise TypeError(f"{name} must be a list of Blocks, got {type(blocks).__name__}")
+    for block in blocks:
+        check_block(f"every item of {name}", block)
+    if distinct and len({id(block) for block in blocks}) != len(blocks):
+        raise ValueError(f"{name} lists the same block object more than once")
+    return list(blocks)
+
+
+def check_device(device: object) -> None:
+    """TypeError unless ``device`` is a ``Device`` (a string such as "gpu" is not one)."""
+    if device is not Device.GPU and device is not Device.CPU:
+        raise TypeError(f"device must be Device.GPU or Device.CPU, got {device!r}")
+
+
+def check_extra_hash(extra_hash: object) -> None:
+    """TypeError unless ``extra_hash`` is an int or None (it is hashed into the prefix hash)."""
+    if extra_hash is not None and not is_int(extra_hash):
+        raise TypeError(f"extra_hash must be an int or None, got {extra_hash!r}")
+
+
+def check_token_ids(name: str, token_ids: object) -> list[int]:
+    """``token_ids`` as a list of ints: a list or tuple of ints, a range, or a 1-d integer numpy
+    array. A str (a sequence of characters), floats or bools are refused with TypeError, before
+    anything is allocated. A plain list of plain ints is returned as it is (the common case)."""
+    if type(token_ids) is list:
+        for token in token_ids:
+            if type(token) is not int:
+                break
+        else:
+            return token_ids
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise TypeError(f"{name} must be a 1-d array of integers, got dtype {token_ids.dtype} with "
+                            f"{token_ids.ndim} dimensions")
+        return token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of ints, got {type(token_ids).__name__}")
+    for token in token_ids:
+        if not is_int(token):
+            raise TypeError(f"{name} must hold ints only, got {token!r}")
+    return [int(token) for token in token_ids]
+
+
+def check_block_ids(name: str, block_ids: object) -> list[int]:
+    """``block_ids`` as a list of ints (TypeError otherwise); whether each is known is the
+    allocator's to say (KeyError)."""
+    if not isinstance(block_ids, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
+    for block_id in block_ids:
+        if not is_int(block_id):
+            raise TypeError(f"{name} must hold int block ids, got {block_id!r}")
+    return [int(block_id) for block_id in block_ids]
+
+
+def check_time(name: str, now: object) -> float:
+    """An access time: a real number (TypeError for a str, None or a bool) that is finite
+    (ValueError for NaN or infinity, which would break the evictor's ordering later)."""
+    if isinstance(now, (bool, np.bool_)) or not isinstance(now, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {now!r}")
+    if not math.isfinite(now):
+        raise ValueError(f"{name} must be finite, got {now!r}")
+    return now
 
 
 def rehearse(operation: Callable[[Any], object], state: Any) -> None:
@@ -134,6 +218,11 @@ class BlockPool:
 
     Free pool slots are a deque: a new block takes the leftmost, a freed one goes back on the
     left, so the most recently freed object is reused first. When none is free the pool doubles.
+
+    Every object remembers the pool that made it (``_home_pool``) and goes back there whichever
+    allocator frees it: a block swapped to another device is freed by that device's allocator,
+    and its pool slot number means nothing in that allocator's pool (putting it there handed a
+    live object out twice, or an index past the pool's end).
     """
 
     def __init__(self, block_size: int, create_block: Block.Factory, allocator: BlockAllocator, pool_size: int):
@@ -147,8 +236,10 @@ class BlockPool:
         self._pool = [self._new_object() for _ in range(pool_size)]
 
     def _new_object(self) -> Block:
-        return self._create_block(prev_block=None, token_ids=[], block_size=self._block_size,
-                                  allocator=self._allocator, block_id=None, extra_hash=None)
+        block = self._create_block(prev_block=None, token_ids=[], block_size=self._block_size,
+                                   allocator=self._allocator, block_id=None, extra_hash=None)
+        block._home_pool = self
+        return block
 
     def increase_pool(self) -> None:
         """Double the pool (a pool of 0 grows to 1)."""
@@ -163,10 +254,11 @@ class BlockPool:
             self.increase_pool()
         pool_id = self._free_ids.popleft()
         block = self._pool[pool_id]
-        # Re-run the constructor on the existing object; it keeps the allocator it was made for.
+        # Re-run the constructor on the existing object, for this pool's allocator (a swap may
+        # have bound the object to another device's allocator while it was in use).
         try:
             block.__init__(prev_block=prev_block, token_ids=token_ids, block_size=block_size,
-                           allocator=block._allocator, block_id=physical_block_id, extra_hash=extra_hash)
+                           allocator=self._allocator, block_id=physical_block_id, extra_hash=extra_hash)
         except Exception:
             self._free_ids.appendleft(pool_id)       # bad arguments: the object stays free
             raise
@@ -174,7 +266,10 @@ class BlockPool:
         return block
 
     def free_block(self, block: Block) -> None:
-        self._free_ids.appendleft(block.pool_id)
+        """Give the object back to the pool that made it (an object no pool made is left alone)."""
+        home = getattr(block, "_home_pool", None)
+        if home is not None:
+            home._free_ids.appendleft(block.pool_id)
 
 
 # --------------------------------------------------------------------------------------------

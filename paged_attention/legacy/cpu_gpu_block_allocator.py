@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import FrozenSet
 
-from paged_attention.legacy.common import BlockStateError, BlockTypeError, UnknownBlockIdError, rehearse
+from paged_attention.legacy.common import (BlockStateError, BlockTypeError, UnknownBlockIdError, check_block,
+                                           check_blocks, rehearse)
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId, DeviceAwareBlockAllocator
-from paged_attention.legacy.naive_block import NaiveBlock, NaiveBlockAllocator
+from paged_attention.legacy.naive_block import NaiveBlock, NaiveBlockAllocator, check_held
 from paged_attention.legacy.prefix_caching_block import PrefixCachingBlockAllocator
-from paged_attention.utils import Device
+from paged_attention.utils import Device, check_int
 
 
 class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
@@ -22,11 +23,11 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
     def create(allocator_type: str, num_gpu_blocks: int, num_cpu_blocks: int,
                block_size: int) -> CpuGpuBlockAllocator:
         """Two allocators of ``allocator_type`` (``"naive"`` or ``"prefix_caching"``)."""
-        for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
+        num_gpu_blocks = check_int("num_gpu_blocks", num_gpu_blocks, 0)
+        num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        block_size = check_int("block_size", block_size, 1)
+        if not isinstance(allocator_type, str):
+            raise TypeError(f"allocator_type must be a str, got {allocator_type!r}")
         block_ids = list(range(num_gpu_blocks + num_cpu_blocks))
         gpu_block_ids = block_ids[:num_gpu_blocks]
         cpu_block_ids = block_ids[num_gpu_blocks:]
@@ -45,6 +46,10 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
         return CpuGpuBlockAllocator(cpu_block_allocator=cpu_allocator, gpu_block_allocator=gpu_allocator)
 
     def __init__(self, cpu_block_allocator: BlockAllocator, gpu_block_allocator: BlockAllocator):
+        for name, allocator in (("cpu_block_allocator", cpu_block_allocator),
+                                ("gpu_block_allocator", gpu_block_allocator)):
+            if not isinstance(allocator, BlockAllocator):
+                raise TypeError(f"{name} must be a BlockAllocator, got {type(allocator).__name__}")
         if cpu_block_allocator.all_block_ids & gpu_block_allocator.all_block_ids:
             raise ValueError("cpu and gpu block allocators can't have intersection of block ids")
         self._allocators = {Device.CPU: cpu_block_allocator, Device.GPU: gpu_block_allocator}
@@ -62,7 +67,7 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
             return self._gpu_allocator
         if device is Device.CPU:
             return self._cpu_allocator
-        raise ValueError(f"unknown device {device!r}: expected Device.GPU or Device.CPU")
+        raise TypeError(f"device must be Device.GPU or Device.CPU, got {device!r}")
 
     def _owner(self, block: Block) -> BlockAllocator:
         """The allocator that owns ``block``'s id."""
@@ -95,11 +100,13 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
     # ---- Freeing and forking, routed by id --------------------------------------------------------
     def free(self, block: Block) -> None:
         """Give a block back to its device; the null block is shared and silently kept."""
+        check_block("block", block)
         if isinstance(block, NullBlock):
             return
         self._owner(block).free(block)
 
     def fork(self, last_block: Block) -> list[Block]:
+        check_block("last_block", last_block)
         if isinstance(last_block, NullBlock):
             raise BlockTypeError("the null block cannot be forked")
         return self._owner(last_block).fork(last_block)
@@ -121,12 +128,17 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
     # ---- Swapping ---------------------------------------------------------------------------------
     def swap(self, blocks: list[Block], src_device: Device, dst_device: Device) -> dict[int, int]:
         """Move blocks from ``src_device`` to ``dst_device`` in place (same objects, new ids);
-        returns {absolute src id: absolute dst id}. All or nothing: nothing moves unless the
-        destination can take every block."""
+        returns {absolute src id: absolute dst id}. All or nothing: every argument is checked
+        (a block listed twice, one not on ``src_device``, the same device twice) before anything
+        moves, and nothing moves unless the destination can take every block."""
         src_allocator, dst_allocator = self._allocator(src_device), self._allocator(dst_device)
+        if src_device is dst_device:
+            raise ValueError(f"src_device and dst_device are both {src_device}: a swap moves blocks between devices")
+        blocks = check_blocks("blocks", blocks, distinct=True)
         for block in blocks:
             if isinstance(block, NullBlock) or self._owner(block) is not src_allocator:
                 raise ValueError(f"block {block.block_id} is not a block of {src_device}")
+        check_held(src_allocator, blocks, "swap")
         if len(blocks) > dst_allocator.get_num_free_blocks():
             rehearse(lambda s: s[0]._swap(s[1], src_device, dst_device), (self, blocks))
         return self._swap(blocks, src_device, dst_device)
@@ -134,8 +146,15 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
     def _swap(self, blocks: list[Block], src_device: Device, dst_device: Device) -> dict[int, int]:
         src_allocator, dst_allocator = self._allocators[src_device], self._allocators[dst_device]
         src_block_ids = [block.block_id for block in blocks]
+        # The swap copies each block's KV: a block computed on one side is computed on the other.
+        is_computed = getattr(src_allocator, "block_is_computed", None)
+        mark_computed = getattr(dst_allocator, "_mark_ids_computed", None)
+        computed = ([is_computed(block_id) for block_id in src_block_ids]
+                    if is_computed is not None and mark_computed is not None else None)
         src_allocator.swap_out(blocks)
         dst_allocator.swap_in(blocks)
+        if computed is not None:
+            mark_computed([block.block_id for block, done in zip(blocks, computed) if done])
         current_swap_mapping: dict[int, int] = {}
         for src_block_id, block in zip(src_block_ids, blocks):
             if src_block_id is not None and block.block_id is not None:

@@ -11,7 +11,7 @@ import enum
 import heapq
 from dataclasses import dataclass
 
-from paged_attention.legacy.common import UnknownBlockIdError
+from paged_attention.legacy.common import UnknownBlockIdError, check_time
 from paged_attention.legacy.interfaces import BlockId
 
 
@@ -60,6 +60,9 @@ class LRUEvictor:
         return (meta.last_accessed, -meta.num_hashed_tokens, block_id, meta.content_hash)
 
     def add(self, block_id: BlockId, content_hash: int, num_hashed_tokens: int, last_accessed: float) -> None:
+        """Park a block (its time is checked here: a str or NaN in the heap breaks every later
+        push and pop)."""
+        check_time("last_accessed", last_accessed)
         meta = BlockMetaData(content_hash, num_hashed_tokens, last_accessed)
         self.free_table[block_id] = meta
         heapq.heappush(self.priority_queue, self._entry(block_id, meta))
@@ -78,6 +81,7 @@ class LRUEvictor:
 
     def update(self, block_id: BlockId, last_accessed: float) -> None:
         """Record a new access time for a waiting block (it moves back in the queue)."""
+        check_time("last_accessed", last_accessed)
         if block_id not in self.free_table:
             raise UnknownBlockIdError(f"block {block_id} is not in the evictor")
         meta = self.free_table[block_id]

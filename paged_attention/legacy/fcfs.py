@@ -41,7 +41,7 @@ from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.interfaces import AllocStatus
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_attention.utils import Device
+from paged_attention.utils import Device, check_int
 
 __all__ = [
     "Request", "Event", "BlockOwner", "StepRecord", "FcfsScheduler", "synthetic_workload",
@@ -69,12 +69,7 @@ def _blocks(n: int) -> str:
     return f"{n} block" if n == 1 else f"{n} blocks"
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+_check_int = check_int
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,14 +457,17 @@ class FcfsScheduler:
                 self._insert(self.running, rid)
 
         # Prefix caching: the scheduled blocks count as computed from now on (as in V0, where
-        # the scheduler did this once it had scheduled them), and every running sequence is
-        # stamped with this step's time, for the evictor's LRU order once it is freed.
+        # the scheduler did this once it had scheduled them; each group's tokens of this step
+        # are its chunk), and every running sequence is stamped with this step's time, for the
+        # evictor's LRU order once it is freed.
         if mgr.enable_caching:
             for rid in self.running:
                 for seq in self.groups[rid].get_seqs(SequenceStatus.RUNNING):
                     mgr.access_all_blocks_in_seq(seq, float(self.now))
-            if self.running:
-                mgr.mark_blocks_as_computed(self.groups[self.running[0]], token_chunk_size=0)
+            for group in record.prefills + record.decodes:
+                chunk = max((seq.get_len() - seq.data.get_num_computed_tokens()
+                             for seq in group.get_seqs(SequenceStatus.RUNNING)), default=0)
+                mgr.mark_blocks_as_computed(group, token_chunk_size=chunk)
 
         record.running, record.swapped, record.waiting = list(self.running), list(self.swapped), list(self.waiting)
         record.gpu_owners, record.cpu_owners = self._owners()

@@ -6,13 +6,45 @@ pops from the left, so the id just freed is the next one given out.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import FrozenSet, Iterable
 
 from paged_attention.legacy.common import (BlockPool, BlockStateError, CopyOnWriteTracker, RefCounter,
-                                           get_all_blocks_recursively)
+                                           check_block, check_block_ids, check_blocks, check_extra_hash,
+                                           check_time, check_token_ids, get_all_blocks_recursively)
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
-from paged_attention.utils import Device
+from paged_attention.utils import Device, is_int
+
+
+def check_block_token_ids(block_token_ids: object) -> list[list[int]]:
+    """``block_token_ids`` as a list of token-id lists (TypeError for anything else)."""
+    if not isinstance(block_token_ids, (list, tuple)):
+        raise TypeError(f"block_token_ids must be a list of token-id lists, got {type(block_token_ids).__name__}")
+    return [check_token_ids("every item of block_token_ids", token_ids) for token_ids in block_token_ids]
+
+
+def check_computed_seq_block_ids(computed_seq_block_ids: object) -> None:
+    """TypeError unless it is a list of block-id lists."""
+    if not isinstance(computed_seq_block_ids, (list, tuple)):
+        raise TypeError(f"computed_seq_block_ids must be a list of block-id lists, "
+                        f"got {type(computed_seq_block_ids).__name__}")
+    for ids in computed_seq_block_ids:
+        check_block_ids("every item of computed_seq_block_ids", ids)
+
+
+def check_held(allocator, blocks: list[Block], what: str) -> None:
+    """Before freeing or moving ``blocks``: each has an id of ``allocator`` held at least as
+    many times as it is listed (a ValueError or KeyError here, and nothing has changed)."""
+    counts: Counter = Counter()
+    for block in blocks:
+        block_id = block.block_id
+        if block_id is None:
+            raise BlockStateError(f"cannot {what} a block with no physical id (freed already?)")
+        counts[block_id] += 1
+    for block_id, n in counts.items():
+        held = allocator._refcounter.get(block_id)          # UnknownBlockIdError if not ours
+        if held < n:
+            raise BlockStateError(f"block {block_id} is listed {n} times but held {held} times")
 
 
 class NaiveBlockAllocator(BlockAllocator):
@@ -38,6 +70,9 @@ class NaiveBlockAllocator(BlockAllocator):
                                  extra_hash: int | None = None, device: Device | None = None) -> Block:
         """A block holding ``token_ids`` (this allocator has no real immutability)."""
         self._no_device(device)
+        check_block("prev_block", prev_block, optional=True)
+        check_extra_hash(extra_hash)
+        token_ids = check_token_ids("token_ids", token_ids)
         if len(token_ids) > self._block_size:         # checked first: nothing allocated on failure
             raise BlockStateError(f"{len(token_ids)} tokens do not fit in a block of {self._block_size}")
         block = self.allocate_mutable_block(prev_block=prev_block, extra_hash=extra_hash)
@@ -49,6 +84,9 @@ class NaiveBlockAllocator(BlockAllocator):
         """All ids are taken first (so a fresh allocator gives 0, 1, 2, ...), then chained.
         All or nothing: if the ids run out part-way, those already taken are given back."""
         self._no_device(device)
+        check_block("prev_block", prev_block, optional=True)
+        check_extra_hash(extra_hash)
+        block_token_ids = check_block_token_ids(block_token_ids)
         for token_ids in block_token_ids:
             if len(token_ids) > self._block_size:
                 raise BlockStateError(f"{len(token_ids)} tokens do not fit in a block of {self._block_size}")
@@ -68,6 +106,8 @@ class NaiveBlockAllocator(BlockAllocator):
                                device: Device | None = None) -> Block:
         """An empty block with a fresh physical id (reference count 1)."""
         self._no_device(device)
+        check_block("prev_block", prev_block, optional=True)
+        check_extra_hash(extra_hash)
         block_id = self._allocate_block_id()
         return self._block_pool.init_block(prev_block=prev_block, token_ids=[], block_size=self._block_size,
                                            physical_block_id=block_id, extra_hash=extra_hash)
@@ -99,15 +139,22 @@ class NaiveBlockAllocator(BlockAllocator):
 
     # ---- Freeing and forking ------------------------------------------------------------------------
     def free(self, block: Block, keep_block_object: bool = False) -> None:
+        """Drop the block's hold on its id (a block, not an id: TypeError for an int, before
+        anything changes; ``free_block_id`` takes ids)."""
+        check_block("block", block)
         self._free_block_id(block)
         if not keep_block_object:
             self._block_pool.free_block(block)
 
     def free_block_id(self, block_id: BlockId) -> None:
-        self._free_block_id(block_id)
+        """Drop one hold on ``block_id`` (held by no block object)."""
+        if not is_int(block_id):
+            raise TypeError(f"block_id must be an int, got {block_id!r}")
+        self._free_block_id(int(block_id))
 
     def fork(self, last_block: Block) -> list[Block]:
         """A second chain over the same physical blocks: each id gains a holder."""
+        check_block("last_block", last_block)
         source_blocks = get_all_blocks_recursively(last_block)
         for block in source_blocks:                   # all checked before any count changes
             if block.block_id is None or self._refcounter.get(block.block_id) == 0:
@@ -132,6 +179,8 @@ class NaiveBlockAllocator(BlockAllocator):
     def get_physical_block_id(self, absolute_id: int) -> int:
         """The position of ``absolute_id`` among this allocator's ids in ascending order (a CPU
         allocator's ids follow the GPU's, but its cache tensor starts at 0)."""
+        if not is_int(absolute_id):
+            raise TypeError(f"absolute_id must be an int, got {absolute_id!r}")
         if absolute_id not in self._physical_block_ids:
             raise KeyError(f"block id {absolute_id} does not belong to this allocator")
         return self._physical_block_ids[absolute_id]
@@ -148,6 +197,7 @@ class NaiveBlockAllocator(BlockAllocator):
     def cow_block_if_not_appendable(self, block: Block) -> BlockId:
         """The id ``block`` may be written under: its own if nobody else holds it, otherwise a
         fresh one, with the (old, new) pair recorded for ``copy_blocks``."""
+        check_block("block", block)
         src_block_id = block.block_id
         if src_block_id is None:
             raise BlockStateError("copy on write needs an allocated block")
@@ -165,12 +215,15 @@ class NaiveBlockAllocator(BlockAllocator):
 
     # ---- What only the prefix-caching allocator does --------------------------------------------------
     def mark_blocks_as_accessed(self, block_ids: list[int], now: float) -> None:
-        pass
+        """Nothing to record without a prefix cache (the arguments are still checked)."""
+        check_block_ids("block_ids", block_ids)
+        check_time("now", now)
 
     def mark_blocks_as_computed(self, block_ids: list[int]) -> None:
-        pass
+        check_block_ids("block_ids", block_ids)
 
     def get_common_computed_block_ids(self, computed_seq_block_ids: list[list[int]]) -> list[int]:
+        check_computed_seq_block_ids(computed_seq_block_ids)
         return []
 
     def promote_to_immutable_block(self, block: Block) -> BlockId:
@@ -178,6 +231,7 @@ class NaiveBlockAllocator(BlockAllocator):
 
     def get_num_full_blocks_touched(self, blocks: list[Block]) -> int:
         """Distinct full block objects among ``blocks``: what swapping them would move."""
+        check_blocks("blocks", blocks)
         return len({id(block) for block in blocks if block.is_full})
 
     def get_prefix_cache_hit_rate(self) -> float:
@@ -187,18 +241,26 @@ class NaiveBlockAllocator(BlockAllocator):
         return True
 
     def find_cached_blocks_prefix(self, block_hashes: list[int]) -> list[int]:
+        check_block_ids("block_hashes", block_hashes)
         return []
 
     # ---- Swapping ---------------------------------------------------------------------------------
     def swap_out(self, blocks: list[Block]) -> None:
+        """Let go of each block's id here, keeping the object (it moves to another device).
+        Every block is checked first, so a bad list changes nothing."""
+        blocks = check_blocks("blocks", blocks, distinct=True)
+        check_held(self, blocks, "swap out")
         for block in blocks:
             self._free_block_id(block)
 
     def swap_in(self, blocks: list[Block]) -> None:
         """Give each block an id here, keeping its object (the table still points to it)."""
+        blocks = check_blocks("blocks", blocks, distinct=True)
         if len(blocks) > len(self._free_block_indices):
             raise BlockAllocator.NoFreeBlocksError(f"{len(blocks)} blocks to swap in, "
                                                    f"{len(self._free_block_indices)} free")
+        if any(block.block_id is not None for block in blocks):
+            raise BlockStateError("swap_in takes blocks with no physical id (swapped out first)")
         self._swap_in(blocks)
 
     def _swap_in(self, blocks: list[Block]) -> None:
@@ -215,6 +277,9 @@ class NaiveBlockAllocator(BlockAllocator):
             tmp_block.block_id = None
             self._block_pool.free_block(tmp_block)
             block.block_id = block_id
+            # From now on this allocator owns the id: appends (copy on write, promotion) must
+            # come here, not to the allocator the object was made by.
+            block._bind_allocator(self)
 
 
 class NaiveBlock(Block):
@@ -257,6 +322,10 @@ class NaiveBlock(Block):
         """Cut the chain before this block (the sliding window dropped its predecessors), so
         that nothing walks into block objects the pool may already have handed out again."""
         self._prev_block = None
+
+    def _bind_allocator(self, allocator: BlockAllocator) -> None:
+        """The allocator that now owns this block's id (after a swap to its device)."""
+        self._allocator = allocator
 
     @property
     def computed(self) -> bool:

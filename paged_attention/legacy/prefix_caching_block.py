@@ -8,9 +8,11 @@ block lets go, the block is not wiped but parked in the evictor, still findable 
 an allocation needs the id.
 
 Every physical id has a ``BlockTracker`` (active while held, with the last access time and
-whether its KV has been computed). A newly promoted block only counts as computed after the
-scheduler calls ``mark_blocks_as_computed``, so sequences in the same batch cannot reuse KV
-that is still being written.
+whether its KV has been computed). A newly promoted block only counts as computed once it is
+marked (``mark_blocks_as_computed``); the block manager marks a sequence's blocks only as far
+as its computed tokens reach, so a chunked prefill never offers KV it has not written yet.
+A cached block that is not computed may still be shared (its holders each compute it), but
+is never reported as computed: not while held, and not while it waits in the evictor.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import hashlib
 from typing import FrozenSet, Iterable, Optional
 
 from paged_attention.legacy.common import (BlockPool, BlockStateError, BlockTypeError, CacheMetricData,
-                                           CopyOnWriteTracker, UnknownBlockIdError, get_all_blocks_recursively,
-                                           rehearse)
+                                           CopyOnWriteTracker, UnknownBlockIdError, check_block, check_block_ids,
+                                           check_blocks, check_extra_hash, check_time, check_token_ids,
+                                           get_all_blocks_recursively, rehearse)
 from paged_attention.legacy.evictor import EvictionPolicy, make_evictor
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
-from paged_attention.legacy.naive_block import NaiveBlock, NaiveBlockAllocator
-from paged_attention.utils import Device
+from paged_attention.legacy.naive_block import (NaiveBlock, NaiveBlockAllocator, check_block_token_ids,
+                                                check_computed_seq_block_ids)
+from paged_attention.utils import Device, is_int
 
 PrefixHash = int
 
@@ -71,7 +75,8 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         block_ids = list(range(num_blocks) if block_ids is None else block_ids)
         self._block_size = block_size
         self._cached_blocks: dict[PrefixHash, BlockId] = {}      # promoted blocks, held or evictable
-        self._touched_blocks: set[BlockId] = set()               # promoted, not yet marked computed
+        # Cached blocks (held, or waiting in the evictor) whose KV is not computed yet.
+        self._touched_blocks: set[BlockId] = set()
         self._block_tracker: dict[BlockId, BlockTracker] = {i: BlockTracker() for i in block_ids}
         self._block_pool = BlockPool(block_size=block_size, create_block=self._create_block, allocator=self,
                                      pool_size=num_blocks * 4)
@@ -96,6 +101,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         """A full block of ``token_ids`` after ``prev_block``: the cached block if this prefix is
         cached (a hit), else a fresh block promoted to the cache (a miss)."""
         self._no_device(device)
+        check_block("prev_block", prev_block, optional=True)
+        check_extra_hash(extra_hash)
+        token_ids = check_token_ids("token_ids", token_ids)
         if len(token_ids) != self._block_size:
             raise BlockStateError(f"an immutable block needs exactly {self._block_size} tokens, got {len(token_ids)}")
         block = self._block_pool.init_block(prev_block=prev_block, token_ids=token_ids, block_size=self._block_size,
@@ -126,6 +134,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         block takes no free block, so when the chunks outnumber the free blocks the call is
         rehearsed on a copy first."""
         self._no_device(device)
+        check_block("prev_block", prev_block, optional=True)
+        check_extra_hash(extra_hash)
+        block_token_ids = check_block_token_ids(block_token_ids)
         for token_ids in block_token_ids:
             if len(token_ids) != self._block_size:
                 raise BlockStateError(f"an immutable block needs exactly {self._block_size} tokens, "
@@ -177,19 +188,22 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         if self._cached_blocks.get(content_hash) != block_id or self._refcounter.get(block_id) != 0:
             raise BlockStateError(f"evicted block {block_id} is not a cached block nobody holds")
         del self._cached_blocks[content_hash]            # its contents are about to be overwritten
+        self._touched_blocks.discard(block_id)
         self._refcounter.incr(block_id)
         self._track_block_id(block_id, computed=False)
         return block_id
 
     # ---- Reference counts on the two paths --------------------------------------------------------
     def _incr_refcount_cached_block(self, block: Block) -> None:
-        """A new holder of a cached block; the first one takes it back out of the evictor."""
-        block.computed = True                            # its KV was computed by whoever cached it
+        """A new holder of a cached block; the first one takes it back out of the evictor. The
+        block is computed if its KV was written (vLLM takes every hit as computed, though the
+        first holder may still be writing it, or may have been freed before it did)."""
         block_id = block.block_id
         if self._refcounter.incr(block_id) == 1:
             if block_id in self.evictor:
                 self.evictor.remove(block_id)
-            self._track_block_id(block_id, computed=True)
+            self._track_block_id(block_id, computed=block_id not in self._touched_blocks)
+        block.computed = self._block_tracker[block_id].computed
 
     def _decr_refcount_cached_block(self, block: Block) -> None:
         """A holder of a cached block lets go; the last one parks it in the evictor."""
@@ -218,6 +232,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     # ---- Freeing and forking ------------------------------------------------------------------------
     def free(self, block: Block, keep_block_object: bool = False) -> None:
+        """Drop the block's hold on its id; the last holder of a cached block parks it in the
+        evictor (still cached, and computed only if it was). TypeError for a non-block."""
+        check_block("block", block)
         self._free_block_id(block)
         if not keep_block_object:
             self._block_pool.free_block(block)
@@ -234,6 +251,8 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     def free_block_id(self, block_id: BlockId) -> None:
         """Give back an id held by no block object (used when emptying the evictor)."""
+        if not is_int(block_id):
+            raise TypeError(f"block_id must be an int, got {block_id!r}")
         if self._refcounter.get(block_id) == 1:
             self._untrack_block_id(block_id)
         self._hashless_allocator.free_block_id(block_id)
@@ -280,12 +299,14 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             self.free_block_id(block_id)             # back to the hashless free list
         if self._cached_blocks:
             raise BlockStateError("cached blocks remain after emptying the evictor")
+        self._touched_blocks.clear()
         self.evictor = make_evictor(EvictionPolicy.LRU)
         self._block_tracker = {i: BlockTracker() for i in self._block_tracker}
         self.metric_data = CacheMetricData()
         return True
 
     def is_block_cached(self, block: Block) -> bool:
+        check_block("block", block)
         if block.content_hash is None:
             raise BlockStateError("only a full, hashed block can be cached")
         return block.content_hash in self._cached_blocks
@@ -294,6 +315,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         """A block just became full: cache it under its hash, or, if that prefix is cached
         already, give back its own id and share the cached one (no copy is needed: same
         tokens, same KV)."""
+        check_block("block", block)
         content_hash = block.content_hash
         if content_hash is None or block.block_id is None or self._refcounter.get(block.block_id) == 0:
             raise BlockStateError("only a full, held block can be promoted")
@@ -308,7 +330,11 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     # ---- Access times and computed state ------------------------------------------------------------
     def mark_blocks_as_accessed(self, block_ids: list[int], now: float) -> None:
-        """Stamp held blocks (in their tracker) and waiting ones (in the evictor) with ``now``."""
+        """Stamp held blocks (in their tracker) and waiting ones (in the evictor) with ``now``.
+        Everything is checked first (a str or NaN time would only fail later, inside the
+        evictor's heap, in the middle of someone's ``free``)."""
+        block_ids = check_block_ids("block_ids", block_ids)
+        check_time("now", now)
         for block_id in block_ids:
             if block_id not in self._block_tracker:
                 raise UnknownBlockIdError(f"block id {block_id} does not belong to this allocator")
@@ -321,22 +347,62 @@ class PrefixCachingBlockAllocator(BlockAllocator):
                 self.evictor.update(block_id, now)
 
     def mark_blocks_as_computed(self, block_ids: list[int]) -> None:
-        """Every block promoted since the last call now has its KV computed. The argument is
-        ignored, as in vLLM: the scheduler calls this right after scheduling a prefill."""
-        for block_id in self._touched_blocks:
-            self._block_tracker[block_id].computed = True
-        self._touched_blocks.clear()
+        """Record that blocks' KV has been written, so they may be shared as computed.
+
+        Given ids (each held, or waiting in the evictor), exactly those blocks; one that is not
+        a cached block (still filling up) is skipped: it is marked once full. Given none, every
+        cached block not computed yet, as vLLM does for any argument: the caller vouches that
+        all their KV is written. The block manager passes ids, as far as each sequence's
+        computed tokens reach, so a chunk never marks the blocks of the chunks after it.
+        """
+        block_ids = check_block_ids("block_ids", block_ids)
+        if not block_ids:
+            for block_id in self._touched_blocks:
+                tracker = self._block_tracker[block_id]
+                if tracker.active:
+                    tracker.computed = True
+            self._touched_blocks.clear()
+            return
+        for block_id in block_ids:                       # all checked before any is marked
+            tracker = self._block_tracker.get(block_id)
+            if tracker is None:
+                raise UnknownBlockIdError(f"block id {block_id} does not belong to this allocator")
+            if not tracker.active and block_id not in self.evictor:
+                raise ValueError(f"block {block_id} is free: only a held or cached block can be marked computed")
+        self._mark_ids_computed(block_ids)
+
+    def _mark_ids_computed(self, block_ids: list[int]) -> None:
+        """Mark the cached blocks among ``block_ids`` computed (no checks: the manager's path)."""
+        touched = self._touched_blocks
+        if not touched:
+            return
+        for block_id in block_ids:
+            if block_id in touched:
+                touched.discard(block_id)
+                tracker = self._block_tracker[block_id]
+                if tracker.active:
+                    tracker.computed = True
 
     def block_is_computed(self, block_id: int) -> bool:
-        if self._block_tracker[block_id].active:
-            return self._block_tracker[block_id].computed
-        return block_id in self.evictor
+        """Is the block's KV written? A held block says so in its tracker; a block nobody holds
+        only if it waits in the evictor having been computed before its last holder let go
+        (vLLM counts every block in the evictor as computed, so a request freed after its
+        first prefill chunk left its whole prompt there to be skipped by the next one)."""
+        if not is_int(block_id):
+            raise TypeError(f"block_id must be an int, got {block_id!r}")
+        tracker = self._block_tracker.get(block_id)
+        if tracker is None:
+            raise UnknownBlockIdError(f"block id {block_id} does not belong to this allocator")
+        if tracker.active:
+            return tracker.computed
+        return block_id in self.evictor and block_id not in self._touched_blocks
 
     def get_common_computed_block_ids(self, computed_seq_block_ids: list[list[int]]) -> list[int]:
         """The longest id prefix shared by every non-empty list (one list comes back as is).
 
         vLLM returns ``''`` (``os.path.commonprefix`` of nothing) when every list is empty; here
         it is ``[]``."""
+        check_computed_seq_block_ids(computed_seq_block_ids)
         if len(computed_seq_block_ids) == 1:
             return computed_seq_block_ids[0]
         lists = [ids for ids in computed_seq_block_ids if ids]
@@ -352,6 +418,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
     def get_num_full_blocks_touched(self, blocks: list[Block]) -> int:
         """Full blocks that would take a free block here: not cached, or cached but waiting in
         the evictor (reviving it takes it out of the free count)."""
+        check_blocks("blocks", blocks)
         num_touched_blocks = 0
         for block in blocks:
             if block.is_full and (not self.is_block_cached(block)
@@ -363,6 +430,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
     def swap_in(self, blocks: list[Block]) -> None:
         """Give each block an id here, keeping its object; full blocks may hit the cache (so
         more blocks than are free may fit: then the swap is rehearsed on a copy first)."""
+        blocks = check_blocks("blocks", blocks, distinct=True)
+        if any(block.block_id is not None for block in blocks):
+            raise BlockStateError("swap_in takes blocks with no physical id (swapped out first)")
         if len(blocks) > self.get_num_free_blocks():
             rehearse(lambda s: s[0]._swap_in(s[1]), (self, blocks))
         self._swap_in(blocks)
@@ -377,6 +447,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         it. The search could then land past a missing block and claim KV that is not there;
         a scan stops at the first miss.
         """
+        check_block_ids("block_hashes", block_hashes)
         num_cached = 0
         for content_hash in block_hashes:
             block_id = self._cached_blocks.get(content_hash)
@@ -435,6 +506,11 @@ class PrefixCachingBlock(Block):
         _ = self.content_hash
         self._prev_block = None
         self._block.forget_prev_block()
+
+    def _bind_allocator(self, allocator: BlockAllocator) -> None:
+        """The allocator that now owns this block's id (after a swap to its device)."""
+        self._allocator = allocator
+        self._block._bind_allocator(allocator)
 
     def _update_num_tokens_total(self) -> None:
         previous = self._prev_block.num_tokens_total if self._prev_block is not None else 0
@@ -619,6 +695,7 @@ class LastAccessBlocksTracker:
         del self._seq_last_access[seq_id]
 
     def update_last_access(self, seq_id: int, time: float) -> None:
+        check_time("time", time)
         self._known(seq_id)
         self._seq_last_access[seq_id] = time
 
