@@ -1,8 +1,10 @@
 """``python -m paged_attention check``: is every kernel right on this machine?
 
 It prints the machine, then one row per kernel with one column per implementation (plain-torch
-reference, Triton, our CUDA, vLLM's own kernels where they are found), each ``ok``, ``FAILED`` (with the error) or ``skipped`` (with the
-reason), and exits non-zero if anything failed. A teacher runs it on every lab machine.
+reference, Triton, our CUDA, vLLM's own kernels where they are found), each ``ok``, ``skipped``
+(the implementation raised ``KernelUnavailable``: it cannot run here; its whole message is
+printed) or ``FAILED`` (anything else: a wrong result, or an error on good input, with the error),
+and exits non-zero if anything failed. A teacher runs it on every lab machine.
 
 Each check is written once, against the functions' common signature, and run against every
 implementation that provides the function; the expected values are computed independently
@@ -18,10 +20,8 @@ from typing import Callable
 import torch
 
 from paged_attention import runtime
-from paged_attention.kernels import args
+from paged_attention.kernels import KernelUnavailable, args
 from paged_attention.kernels import reference as ref
-from paged_attention.kernels.cuda import CudaUnavailableError
-from paged_attention.kernels.vllm import VllmUnavailableError
 from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
 
 KERNELS = ("reshape_and_cache", "reshape_and_cache_flash", "copy_blocks", "swap_blocks",
@@ -181,9 +181,8 @@ CHECKS: dict[str, Callable] = {name: globals()[f"check_{name}"] for name in KERN
 
 
 def _load(impl_name: str):
-    """The implementation's module, or the reason it cannot run here."""
-    if impl_name in ("cuda", "vllm") and not runtime.HAS_CUDA:
-        return None, "no CUDA device: use the Triton or reference kernels"
+    """The implementation's module, or the reason it is not there. (One that is there but cannot
+    run here, our CUDA kernels without a GPU say, raises ``KernelUnavailable`` when called.)"""
     module = {"reference": "paged_attention.kernels.reference",
               "triton": "paged_attention.kernels.triton",
               "cuda": "paged_attention.kernels.cuda",
@@ -216,9 +215,9 @@ def run_checks() -> dict[tuple[str, str], tuple[str, str]]:
                 try:
                     CHECKS[kernel](impl)
                     results[kernel, impl_name] = ("ok", "")
-                except (CudaUnavailableError, VllmUnavailableError) as e:   # not built / not found here
+                except KernelUnavailable as e:      # cannot run here: no GPU, not built, not found
                     results[kernel, impl_name] = ("skipped", str(e))
-                except Exception as e:
+                except Exception as e:              # noqa: BLE001  (a wrong result, or an error on good input)
                     detail = "".join(traceback.format_exception_only(type(e), e)).strip()
                     results[kernel, impl_name] = ("FAILED", detail)
     return results

@@ -98,3 +98,64 @@ def check_device(name: str, device: object) -> torch.device:
             raise ValueError(f"{name} is {dev}, but torch sees only "
                              f"{torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+# ---- The slot mapping, in plain Python ------------------------------------------------------------
+# Token t of sequence s is written to the cache row ("slot")
+#     block_table[s][t // block_size] * block_size + t % block_size,
+# the physical block that holds its logical block, flattened with its offset in that block.
+
+def as_list(value: object, name: str) -> list:
+    """A list from a list, tuple, numpy array or torch tensor (through ``.tolist()``)."""
+    if hasattr(value, "tolist"):  # numpy arrays and torch tensors
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list, a numpy array or a tensor, "
+                        f"got {type(value).__name__}")
+    return list(value)
+
+
+def check_block_table(block_table: object, seq_lens: object,
+                      block_size: object) -> tuple[list[list[int]], list[int], int]:
+    """Validate a block table, its lengths and the block size; return (rows cut to the blocks in
+    use, seq_lens, block_size) as plain ints.
+
+    Row ``s`` of the table needs ``cdiv(seq_lens[s], block_size)`` entries; anything after that
+    (padding, stale ids) is ignored, as the kernels ignore it. Extra rows are ignored too, so a
+    whole ``max_num_reqs``-row table can be passed with the lengths of its first rows.
+    """
+    if not is_int(block_size) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    lens = as_list(seq_lens, "seq_lens")
+    for s, length in enumerate(lens):
+        if not is_int(length) or length < 0:
+            raise ValueError(f"seq_lens[{s}] must be an int >= 0, got {length!r}")
+    table = as_list(block_table, "block_table")
+    if len(table) < len(lens):
+        raise ValueError(f"block_table has {len(table)} rows but seq_lens has {len(lens)} "
+                         "sequences; expected one row per sequence")
+
+    rows = []
+    for s, length in enumerate(lens):
+        row = as_list(table[s], f"block_table[{s}]")
+        needed = cdiv(length, block_size)
+        if len(row) < needed:
+            raise ValueError(f"block_table[{s}] has {len(row)} entries, but seq_lens[{s}]="
+                             f"{length} needs {needed} blocks of block_size={block_size}")
+        for j, block_id in enumerate(row[:needed]):
+            if not is_int(block_id) or block_id < 0:
+                raise ValueError(f"block_table[{s}][{j}] must be a block id >= 0, "
+                                 f"got {block_id!r}")
+        rows.append([int(b) for b in row[:needed]])
+    return rows, [int(n) for n in lens], int(block_size)
+
+
+def slot_mapping(block_table: object, seq_lens: object, block_size: int) -> list[int]:
+    """The slot of every token of every sequence, sequence after sequence, in token order.
+
+    >>> slot_mapping([[3, 0], [1]], [6, 2], 4)
+    [12, 13, 14, 15, 0, 1, 4, 5]
+    """
+    rows, lens, block_size = check_block_table(block_table, seq_lens, block_size)
+    return [rows[s][t // block_size] * block_size + t % block_size
+            for s, length in enumerate(lens) for t in range(length)]

@@ -5,10 +5,13 @@ scatters keys and values through the slot mapping with the reference and with ev
 implementation present (Triton, our CUDA, vLLM's own), and ``verify_decode`` runs a decode step
 over the block table with the float64 oracle, Triton, our CUDA v1/v2 and vLLM's FA3. Every result
 must equal the reference (exactly for cache writes, within the dtype's tolerance for attention),
-or an ``AssertionError`` says which one differs. An implementation that cannot run here (no GPU,
-vLLM's kernels not found) or does not take these arguments (a head size it was not compiled
-for, ALiBi for FA3) is listed as skipped, with the reason. The returned ``Verification``
-prints as a small table.
+or it is listed as FAILED. An implementation that cannot run here (no GPU, vLLM's kernels not
+found, a head size it was not compiled for, ALiBi for FA3: it raises ``KernelUnavailable``) is
+listed as skipped, with its whole reason. Anything else an implementation raises is a failure
+too, with its message: a bug that raises ``ValueError`` on good input must not pass as "skipped".
+Every implementation is tried; then, if any FAILED, ``VerificationFailed`` (an
+``AssertionError``) is raised with the whole table, so a notebook cell that verifies stops
+there. Otherwise the returned ``Verification`` prints as a small table.
 
 For the legacy block layer, ``PagedCacheCheck`` keeps a KV cache per implementation, written
 through ``BlockTable``s token by token (``reshape_and_cache``), copied on write
@@ -22,10 +25,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from paged_attention.kernels import args
+from paged_attention.kernels import KernelUnavailable, args
 from paged_attention.kernels import reference as ref
-from paged_attention.kernels.cuda import CudaUnavailableError
-from paged_attention.kernels.vllm import VllmUnavailableError
 from paged_attention.kernels.workloads import assert_close_to_oracle
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.cpu_gpu_block_allocator import NullBlock
@@ -33,39 +34,69 @@ from paged_attention.legacy.cpu_gpu_block_allocator import NullBlock
 
 @dataclass
 class Verification:
-    """What was compared: one ``(implementation, status, detail)`` row each; status ok/skipped."""
+    """What was compared: one ``(implementation, status, detail)`` row each.
+
+    Status ``ok`` (it ran and agreed with the reference), ``skipped`` (it cannot run here: the
+    detail is its ``KernelUnavailable`` message, whole) or ``FAILED`` (it disagreed, or raised
+    anything else: the detail is the error).
+    """
     what: str
     rows: list[tuple[str, str, str]] = field(default_factory=list)
 
+    def _names(self, status: str) -> list[str]:
+        return [name for name, s, _ in self.rows if s == status]
+
     @property
     def verified(self) -> list[str]:
-        return [name for name, status, _ in self.rows if status == "ok"]
+        return self._names("ok")
+
+    @property
+    def skipped(self) -> list[str]:
+        return self._names("skipped")
+
+    @property
+    def failed(self) -> list[str]:
+        return self._names("FAILED")
 
     def __str__(self) -> str:
         width = max(len(name) for name, _, _ in self.rows)
-        lines = [self.what] + [f"  {name:<{width}}  {status:<7}  {detail}".rstrip() for name, status, detail in self.rows]
+        indent = "\n" + " " * (width + 13)     # a multi-line detail stays in its column
+        lines = [self.what] + [f"  {name:<{width}}  {status:<7}  {detail.replace(chr(10), indent)}".rstrip()
+                               for name, status, detail in self.rows]
         return "\n".join(lines)
 
     __repr__ = __str__
 
 
-# What an implementation raises when it cannot run here or refuses the arguments (as opposed to
-# an AssertionError: it ran and got a wrong answer).
-_REFUSALS = (CudaUnavailableError, VllmUnavailableError, ValueError, TypeError)
+class VerificationFailed(AssertionError):
+    """At least one implementation FAILED. The message is the whole table; ``verification``
+    holds its rows."""
+
+    def __init__(self, verification: Verification):
+        super().__init__(str(verification))
+        self.verification = verification
 
 
-def _skip_reason(e: Exception) -> str:
-    if isinstance(e, (CudaUnavailableError, VllmUnavailableError)):
-        return str(e).split(";")[0]
-    return f"{type(e).__name__}: {e}"          # the implementation's own checks refused the arguments
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _attempt(v: Verification, name: str, run: Callable[[], str]) -> None:
-    """Run one comparison; refusals and absences become 'skipped', mismatches propagate."""
+    """Run one comparison and add its row: ``ok``, ``skipped`` for ``KernelUnavailable`` only,
+    ``FAILED`` for anything else it raises (a wrong answer, or an error on good input)."""
     try:
         v.rows.append((name, "ok", run()))
-    except _REFUSALS as e:
-        v.rows.append((name, "skipped", _skip_reason(e)))
+    except KernelUnavailable as e:
+        v.rows.append((name, "skipped", str(e)))
+    except Exception as e:                     # noqa: BLE001  (any other error is the finding)
+        v.rows.append((name, "FAILED", _describe(e)))
+
+
+def _finish(v: Verification) -> Verification:
+    """``v``, unless an implementation FAILED: then ``VerificationFailed`` with the table."""
+    if v.failed:
+        raise VerificationFailed(v)
+    return v
 
 
 def _implementations():
@@ -102,8 +133,8 @@ def verify_cache_writes(
     one = torch.ones(1, device=key.device)
     k_scale = one if k_scale is None else k_scale
     v_scale = one if v_scale is None else v_scale
-    ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                      k_scale, v_scale)
+    args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                       k_scale, v_scale)
     before = _copy_with_strides(key_cache), _copy_with_strides(value_cache)
     ref.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     v = Verification(f"reshape_and_cache_flash: {int((slot_mapping >= 0).sum())} tokens through the slot mapping")
@@ -117,7 +148,7 @@ def verify_cache_writes(
                     raise AssertionError(f"{name}'s {which} cache differs from the reference's")
             return "identical to the reference"
         _attempt(v, name, run)
-    return v
+    return _finish(v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,7 +214,7 @@ def verify_decode(
     _attempt(v, "CUDA v1 (ours)", lambda: cuda_run(1))
     _attempt(v, "CUDA v2 (ours)", lambda: cuda_run(2))
     _attempt(v, "vLLM FA3", vllm_run)
-    return oracle, v
+    return oracle, _finish(v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +244,8 @@ def token_kv(token_ids: Sequence[int], num_kv_heads: int, head_size: int, dtype:
 
 @dataclass
 class _CacheCopy:
-    """One implementation's own copy of the KV cache, and why it stopped (None while it runs)."""
+    """One implementation's own copy of the KV cache, and why it stopped (both None while it runs):
+    ``skipped`` it cannot run here, ``failed`` it raised or went wrong at some step."""
     name: str
     layout: str                  # "v0": vLLM's v0 layout; "flash": [num_blocks, block_size, H_kv, D]
     key_cache: torch.Tensor
@@ -221,6 +253,7 @@ class _CacheCopy:
     cpu_key_cache: torch.Tensor
     cpu_value_cache: torch.Tensor
     skipped: str | None = None
+    failed: str | None = None
     swapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # CPU id -> block sent
 
 
@@ -296,17 +329,22 @@ class PagedCacheCheck:
         return {"reference": ref, "Triton": triton, "CUDA (ours)": cuda}[copy.name]
 
     def _each(self, op: Callable[[_CacheCopy], None]) -> None:
-        """Apply ``op`` to every running copy; the reference's errors propagate, another
-        implementation's refusal marks it skipped from here on."""
+        """Apply ``op`` to every running copy. The reference's errors propagate; another
+        implementation stops at its first error, marked skipped (``KernelUnavailable``) or failed
+        (anything else), and ``check`` reports it so."""
         for copy in self._copies:
-            if copy.skipped is not None:
+            if copy.skipped is not None or copy.failed is not None:
                 continue
             try:
                 op(copy)
-            except _REFUSALS as e:
+            except KernelUnavailable as e:
                 if copy.name == "reference":
                     raise
-                copy.skipped = _skip_reason(e)
+                copy.skipped = str(e)
+            except Exception as e:             # noqa: BLE001  (reported by check as FAILED)
+                if copy.name == "reference":
+                    raise
+                copy.failed = _describe(e)
 
     # ---- the steps a notebook takes ------------------------------------------------------------
     def write(self, name: str, table, token_ids: Sequence[int], start: int | None = None) -> None:
@@ -498,8 +536,6 @@ class PagedCacheCheck:
                     self.block_size, max_len, None, "auto", self._one, self._one)
 
         def run_attention(copy: _CacheCopy, version: str) -> str:
-            if copy.skipped is not None:
-                raise _Skipped(copy.skipped)
             module = self._module(copy)
             out = torch.empty_like(query)
             if copy.layout == "flash":
@@ -518,13 +554,13 @@ class PagedCacheCheck:
         v.rows.append(("reference v1", "ok", run_attention(reference, "v1")))
         for label, copy, version in (("Triton", self._copies[1], ""), ("CUDA v1 (ours)", self._copies[2], "v1"),
                                      ("CUDA v2 (ours)", self._copies[2], "v2")):
-            try:
-                v.rows.append((label, "ok", run_attention(copy, version)))
-            except _Skipped as e:
-                v.rows.append((label, "skipped", str(e)))
-            except _REFUSALS as e:
-                v.rows.append((label, "skipped", _skip_reason(e)))
-        return v
+            if copy.skipped is not None:
+                v.rows.append((label, "skipped", copy.skipped))
+            elif copy.failed is not None:
+                v.rows.append((label, "FAILED", f"at an earlier step: {copy.failed}"))
+            else:
+                _attempt(v, label, lambda: run_attention(copy, version))
+        return _finish(v)
 
     def _table_ids(self, name: str, table) -> list[int]:
         if not isinstance(table, BlockTable):
@@ -535,10 +571,6 @@ class PagedCacheCheck:
             raise ValueError(f"table {name!r} holds block id {bad[0]}, outside the cache's [0, {self.num_blocks}) "
                              "(a CPU id after a swap?)")
         return ids
-
-
-class _Skipped(Exception):
-    """An implementation that stopped at an earlier step (its reason is the message)."""
 
 
 def verify_block_tables(tables: Mapping[str, object], token_ids: Mapping[str, Sequence[int]], num_blocks: int,

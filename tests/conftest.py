@@ -38,3 +38,16 @@ def dtype_params(include_fp32: bool = True):
     params = [torch.float32] if include_fp32 else []
     params += [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.cuda, id="bfloat16")]
     return params
+
+
+# A message with a ';' in it: a skip reason must come through whole, not cut at the first ';'.
+PLANTED = "planted by a test; this second half must be reported too"
+
+
+def planted(error: type[Exception]):
+    """A kernel that raises ``error(PLANTED)`` whatever it is given: planted in place of a real
+    one, it must be reported FAILED (``ValueError``: a bug on good input) or skipped
+    (``KernelUnavailable``), never the other way round."""
+    def kernel(*args, **kwargs):
+        raise error(PLANTED)
+    return kernel

@@ -6,7 +6,11 @@ import types
 import torch
 
 from paged_attention import check
+from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels import reference as ref
+from paged_attention.kernels import triton as tk
+
+from conftest import PLANTED, planted
 
 
 def test_check_command_passes_here():
@@ -37,3 +41,34 @@ def test_a_wrong_kernel_fails_its_check():
         except AssertionError:
             continue
         raise AssertionError(f"check_{name} accepted a wrong kernel")
+
+
+# ---- only KernelUnavailable is a skip: anything else a kernel raises is a failure ------------
+
+def _check_decode_only(monkeypatch, capsys, kernel) -> tuple[int, str, str]:
+    """Run ``check`` on the Triton decode alone, with ``kernel`` planted in its place: the exit
+    code, the decode row's Triton cell, and the whole output."""
+    monkeypatch.setattr(tk, "paged_attention_decode", kernel)
+    monkeypatch.setattr(check, "KERNELS", ("paged_attention_decode",))
+    monkeypatch.setattr(check, "IMPLEMENTATIONS", ("reference", "triton"))
+    code = check.main()
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("paged_attention_decode"))
+    return code, row.split()[2], out
+
+
+def test_an_error_on_good_input_is_failed_and_exits_non_zero(monkeypatch, capsys):
+    code, cell, out = _check_decode_only(monkeypatch, capsys, planted(ValueError))
+    assert code == 1 and cell == "FAILED"
+    assert f"FAILED: ValueError: {PLANTED}" in out and "1 check(s) FAILED" in out
+
+
+def test_a_wrong_result_is_failed_and_exits_non_zero(monkeypatch, capsys):
+    code, cell, _ = _check_decode_only(monkeypatch, capsys, lambda out, *a, **kw: out.zero_())
+    assert code == 1 and cell == "FAILED"
+
+
+def test_kernel_unavailable_is_skipped_with_its_whole_message(monkeypatch, capsys):
+    code, cell, out = _check_decode_only(monkeypatch, capsys, planted(KernelUnavailable))
+    assert code == 0 and cell == "skipped"
+    assert f"skipped: {PLANTED}" in out

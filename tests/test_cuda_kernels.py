@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from paged_attention import runtime
+from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels import cuda as ck
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels.reference import PARTITION_SIZE, flash_to_v0, ref_decode_attention, v0_x
@@ -184,7 +185,7 @@ def test_swap_blocks_out_and_back_in(new_signature):
 @pytest.mark.cuda
 def test_swap_blocks_refusals():
     gpu = torch.zeros(4, 8, device="cuda")
-    with pytest.raises(ValueError, match="Invalid device combination"):
+    with pytest.raises(KernelUnavailable, match="Invalid device combination"):
         ck.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 8), torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="cpu"):
         ck.swap_blocks(gpu, torch.zeros(4, 8), torch.tensor([[0, 1]], device="cuda"))
@@ -298,7 +299,7 @@ def test_attention_bad_input_is_refused_before_launch():
     out = torch.full_like(p.query, 3.0)
     cases = [
         (dict(max_seq_len=20), ValueError, "max_seq_len"),                        # shorter than a length
-        (dict(max_seq_len=10 ** 6), ValueError, "shared memory"),                 # v1's limit
+        (dict(max_seq_len=10 ** 6), KernelUnavailable, "shared memory"),          # v1's limit
         (dict(num_kv_heads=3), ValueError, "num_kv_heads|shape"),
         (dict(kv_cache_dtype="fp8"), TypeError, "dtype"),
         (dict(kv_cache_dtype="int4"), ValueError, "Unsupported"),
@@ -315,7 +316,7 @@ def test_attention_bad_input_is_refused_before_launch():
         ck.paged_attention_v1(out, p.query, k, v, 2, p.scale, bad_table, p.seq_lens, 16, 40, None, "auto", _one(), _one())
     odd = make_decode_problem([5], num_heads=2, num_kv_heads=2, head_size=48, block_size=16, device="cuda")
     ko, vo = flash_to_v0(odd.key_cache, odd.value_cache)
-    with pytest.raises(ValueError, match="Unsupported head size"):
+    with pytest.raises(KernelUnavailable, match="Unsupported head size"):
         ck.paged_attention_v1(torch.empty_like(odd.query), odd.query, ko, vo, 2, 1.0, odd.block_tables, odd.seq_lens,
                               16, 5, None, "auto", _one(), _one())
     assert torch.all(out == 3.0), "a refused call wrote to out"

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from paged_attention import check
+from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels import triton as tk
 
@@ -51,5 +52,5 @@ def test_fp8_is_refused_with_a_pointer(device):
     key = torch.randn(2, 1, 16, device=device)
     caches = [torch.zeros(1, 8, 1, 16, dtype=torch.uint8, device=device) for _ in range(2)]
     one = torch.ones(1, device=device)
-    with pytest.raises(ValueError, match="reference"):
+    with pytest.raises(KernelUnavailable, match="reference"):
         tk.reshape_and_cache_flash(key, key, *caches, torch.tensor([0, 1], device=device), "fp8", one, one)

@@ -106,23 +106,3 @@ def test_large_gqa_batch_on_gpu(dtype):
                             block_size=16, dtype=dtype, device="cuda", seed=9)
     assert_close_to_oracle(_run(p), ref_decode_attention(*p.decode_args()))
     assert_close_to_oracle(_run(p, num_splits=16), ref_decode_attention(*p.decode_args()))
-
-
-@pytest.mark.parametrize("launch", [None, (64, 4, 1)])
-def test_evict_first_hint_gives_the_same_result(device, launch):
-    # The L2 hint changes what stays cached, never what is read: unpipelined (where it reaches
-    # the hardware) and pipelined alike, the result equals the unhinted kernel's bit for bit.
-    p = make_decode_problem([1, 16, 200, 77], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-                            device=device, seed=3)
-    launch = launch if device.type == "cuda" else None   # the interpreter picks its own tile
-    hinted = _run(p, kv_evict="evict_first", launch=launch)
-    assert torch.equal(hinted, _run(p, launch=launch))
-    assert_close_to_oracle(hinted, ref_decode_attention(*p.decode_args()))
-
-
-def test_unknown_eviction_hint_is_refused(device):
-    p = make_decode_problem([5], num_heads=2, num_kv_heads=1, head_size=32, block_size=16, device=device)
-    out = torch.full_like(p.query, 7.0)
-    with pytest.raises(ValueError, match="kv_evict"):
-        paged_attention_decode(out, *p.decode_args(), kv_evict="evict_sometimes")
-    assert torch.all(out == 7.0)

@@ -3,9 +3,12 @@ import pytest
 import torch
 
 from paged_attention import runtime, verify
+from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels import triton as tk
 from paged_attention.kernels.workloads import make_decode_problem
+
+from conftest import PLANTED, planted
 
 
 def _problem(**kw):
@@ -22,6 +25,7 @@ def test_decode_runs_triton_and_says_why_others_did_not():
     assert "Triton" in v.verified
     for name, status, detail in v.rows:
         assert status in ("ok", "skipped") and (status == "ok" or detail), (name, status, detail)
+    assert not v.failed
     if not runtime.HAS_CUDA:
         assert v.verified == ["reference", "Triton"]
         assert "GPU" in dict((n, d) for n, _, d in v.rows)["vLLM FA3"]
@@ -55,3 +59,51 @@ def test_cache_writes_reference_writes_the_given_caches_and_others_must_agree(mo
     monkeypatch.setattr(tk, "reshape_and_cache_flash", shifted)
     with pytest.raises(AssertionError, match="Triton"):
         verify.verify_cache_writes(key, value, *(torch.zeros(4, 8, 2, 16, device=runtime.DEVICE) for _ in range(2)), slots)
+
+
+# ---- only KernelUnavailable is a skip: anything else an implementation raises is a failure ----
+
+def _details(v: verify.Verification) -> dict[str, str]:
+    return {name: detail for name, _, detail in v.rows}
+
+
+def test_decode_error_on_good_input_is_a_failure(monkeypatch):
+    monkeypatch.setattr(tk, "paged_attention_decode", planted(ValueError))
+    with pytest.raises(verify.VerificationFailed) as caught:
+        verify.verify_decode(*_problem().decode_args())
+    v = caught.value.verification
+    assert v.failed == ["Triton"] and "Triton" not in v.verified
+    assert _details(v)["Triton"] == f"ValueError: {PLANTED}"
+    assert len(v.rows) == 5                                 # the others were still tried
+    assert "FAILED" in str(caught.value) and PLANTED in str(caught.value)
+
+
+def test_decode_wrong_result_is_a_failure_and_the_others_still_run(monkeypatch):
+    monkeypatch.setattr(tk, "paged_attention_decode", lambda out, *a, **kw: out.zero_())
+    with pytest.raises(AssertionError, match="Triton") as caught:
+        verify.verify_decode(*_problem().decode_args())
+    v = caught.value.verification
+    assert v.failed == ["Triton"] and _details(v)["Triton"].startswith("AssertionError: Triton")
+    assert [name for name, _, _ in v.rows][2:] == ["CUDA v1 (ours)", "CUDA v2 (ours)", "vLLM FA3"]
+
+
+def test_cache_write_error_on_good_input_is_a_failure(monkeypatch):
+    key, value = (torch.ones(2, 2, 16, device=runtime.DEVICE) for _ in range(2))
+    caches = [torch.zeros(4, 8, 2, 16, device=runtime.DEVICE) for _ in range(2)]
+    monkeypatch.setattr(tk, "reshape_and_cache_flash", planted(ValueError))
+    with pytest.raises(verify.VerificationFailed) as caught:
+        verify.verify_cache_writes(key, value, *caches, torch.tensor([3, 9], device=runtime.DEVICE))
+    assert caught.value.verification.failed == ["Triton"]
+    assert _details(caught.value.verification)["Triton"] == f"ValueError: {PLANTED}"
+
+
+def test_kernel_unavailable_is_skipped_with_its_whole_message(monkeypatch):
+    monkeypatch.setattr(tk, "paged_attention_decode", planted(KernelUnavailable))
+    monkeypatch.setattr(tk, "reshape_and_cache_flash", planted(KernelUnavailable))
+    _, decode = verify.verify_decode(*_problem().decode_args())
+    key, value = (torch.ones(2, 2, 16, device=runtime.DEVICE) for _ in range(2))
+    caches = [torch.zeros(4, 8, 2, 16, device=runtime.DEVICE) for _ in range(2)]
+    writes = verify.verify_cache_writes(key, value, *caches, torch.tensor([3, 9], device=runtime.DEVICE))
+    for v in (decode, writes):
+        assert "Triton" in v.skipped and not v.failed
+        assert _details(v)["Triton"] == PLANTED

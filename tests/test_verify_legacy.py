@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from paged_attention import runtime, verify
+from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels import triton as tk
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
 from paged_attention.utils import Device
+
+from conftest import PLANTED, planted
 
 BS = 8
 
@@ -277,3 +280,35 @@ def test_two_groups_sharing_a_cached_cpu_block_both_come_back():
         assert kv.swap_in(mgr.swap_in(g)) == 3
         g.seqs[0].status = SequenceStatus.RUNNING
     assert "Triton" in kv.check({g.request_id: mgr.block_tables[g.seqs[0].seq_id] for g in groups}).verified
+
+
+# ---- only KernelUnavailable is a skip: anything else an implementation raises is a failure ----
+
+@pytest.mark.parametrize("kernel", ["paged_attention_decode", "reshape_and_cache_flash"])
+def test_an_error_on_good_input_fails_the_check(monkeypatch, kernel):
+    # Planted in the decode, the error comes from check itself; in the cache write, from an
+    # earlier write(), and check reports it then.
+    monkeypatch.setattr(tk, kernel, planted(ValueError))
+    _, tables, _, kv = written()
+    with pytest.raises(verify.VerificationFailed) as caught:
+        kv.check(tables)
+    v = caught.value.verification
+    assert v.failed == ["Triton"] and "Triton" not in v.verified
+    assert dict((n, d) for n, _, d in v.rows)["Triton"].endswith(f"ValueError: {PLANTED}")
+
+
+def test_a_wrong_decode_fails_the_check(monkeypatch):
+    monkeypatch.setattr(tk, "paged_attention_decode", lambda out, *a, **kw: out.zero_())
+    _, tables, _, kv = written()
+    with pytest.raises(verify.VerificationFailed) as caught:
+        kv.check(tables)
+    assert caught.value.verification.failed == ["Triton"]
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention_decode", "reshape_and_cache_flash"])
+def test_kernel_unavailable_skips_with_its_whole_message(monkeypatch, kernel):
+    monkeypatch.setattr(tk, kernel, planted(KernelUnavailable))
+    _, tables, _, kv = written()
+    v = kv.check(tables)
+    assert "Triton" in v.skipped and not v.failed
+    assert dict((n, d) for n, _, d in v.rows)["Triton"] == PLANTED

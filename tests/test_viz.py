@@ -9,9 +9,8 @@ import pytest  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from paged_attention.memory_sim import PAPER_USEFUL, compare_schemes, synthetic_trace  # noqa: E402
-from paged_attention.viz import (  # noqa: E402
-    draw_block_table, draw_slot_mapping, draw_waste_breakdown, slot_mapping,
-)
+from paged_attention.utils import slot_mapping  # noqa: E402
+from paged_attention.viz import draw_block_table, draw_slot_mapping, draw_waste_breakdown  # noqa: E402
 
 # A fragmented example: sequence 0 lives in blocks 3 then 0, sequence 1 in block 1.
 TABLE = [[3, 0], [1]]

@@ -1,4 +1,4 @@
-"""Tests for paged_attention.viz.kernels: the layout arithmetic, and drawings that show it."""
+"""The CUDA kernels' layout arithmetic (paged_attention.kernels.layout), and the drawings that show it."""
 import math
 
 import matplotlib
@@ -12,9 +12,11 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
 from paged_attention.kernels import reference as ref  # noqa: E402
+from paged_attention.kernels.layout import (  # noqa: E402
+    v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
+)
 from paged_attention.viz import (  # noqa: E402
-    IMPL_COLORS, draw_decode_times, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
-    seq_color, v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
+    IMPL_COLORS, draw_decode_times, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions, seq_color,
 )
 
 

@@ -5,7 +5,7 @@ import math
 from typing import Sequence
 
 from paged_attention.exercises import as_float_list, as_int, report
-from paged_attention.viz.kernels import v0_key_offset, v1_thread_mapping, v2_merge_weights, v2_partitions
+from paged_attention.kernels.layout import v0_key_offset, v1_thread_mapping, v2_merge_weights, v2_partitions
 
 
 def key_offset(answer: int, d: int = 13, t: int = 6, block_size: int = 16, x: int = 8) -> bool:

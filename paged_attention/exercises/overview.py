@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from paged_attention.exercises import as_choice, as_int, report
 from paged_attention.memory_sim import simulate, synthetic_trace
-from paged_attention.utils import cdiv
-from paged_attention.viz import slot_mapping
+from paged_attention.utils import cdiv, slot_mapping
 
 
 def blocks_for_request(blocks: int, wasted_slots: int, prompt_len: int = 161, output_len: int = 338,

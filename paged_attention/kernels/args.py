@@ -1,10 +1,16 @@
-"""Argument checks shared by every kernel implementation (reference, Triton, CUDA).
+"""Argument checks shared by every kernel implementation (reference, Triton, CUDA, vLLM's).
 
 A kernel trusts its indices: an out-of-range block id read by a CUDA kernel corrupts memory, and
 in Triton's interpreter it kills the Python process (and a notebook's kernel with it). So every
 public kernel entry point checks shapes, dtypes, devices and index ranges here, in Python, and
 raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (wrong value) with a message that
 names the argument and says what was expected. Nothing is written before the checks pass.
+
+The module reads in two parts: the pieces (one tensor, one scale, one slot mapping...), then one
+preamble per operation, ``check_<op>``, which each of the four front-ends of that operation
+calls first. What an implementation cannot do beyond that (a head size it was not compiled for,
+fp8 in Triton) is its own business, and it raises ``KernelUnavailable`` for it, not an error
+from here; the one such refusal made here is block-sparse attention, which none of them has.
 """
 from __future__ import annotations
 
@@ -14,9 +20,12 @@ from typing import Iterable, Sequence
 
 import torch
 
+from paged_attention.kernels import KernelUnavailable
+from paged_attention.kernels.layout import PARTITION_SIZE, v0_x
 from paged_attention.utils import cdiv
 
-# kv_cache_dtype strings (spec §5): the unquantized ones keep the input's element type.
+# vLLM's kv_cache_dtype strings: the unquantized ones keep the input's element type; the fp8
+# ones store each element as one byte, which the cache holds as uint8.
 UNQUANTIZED_KV_DTYPES = ("auto", "float16", "bfloat16")
 FP8_KV_DTYPES = {
     "fp8": torch.float8_e4m3fn,
@@ -26,6 +35,10 @@ FP8_KV_DTYPES = {
 }
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+
+# --------------------------------------------------------------------------------------------
+# 1. The pieces
+# --------------------------------------------------------------------------------------------
 
 def tensor(
     name: str,
@@ -123,7 +136,7 @@ def positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-def max_seq_len(value: object, longest: int) -> int:
+def seq_len_bound(value: object, longest: int) -> int:
     """Check a caller's ``max_seq_len``: a positive int, and not less than ``longest``.
 
     ``longest`` is the longest of ``seq_lens`` where the lengths were read (``check_ids=True``),
@@ -155,7 +168,7 @@ def rows_of_heads(why: str, **tensors: torch.Tensor) -> None:
                              f"for {why}, got {list(t.stride())}")
 
 
-def kv_cache_dtype(name: str, value: object) -> str:
+def kv_dtype(name: str, value: object) -> str:
     """Check a ``kv_cache_dtype`` string; return it unchanged."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a string such as 'auto', got {type(value).__name__}")
@@ -170,7 +183,7 @@ def cache_element_dtype(kv_dtype: str, input_dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if kv_dtype in FP8_KV_DTYPES else input_dtype
 
 
-def scale(name: str, s: object, num_heads: int | None = None) -> torch.Tensor:
+def quant_scale(name: str, s: object, num_heads: int | None = None) -> torch.Tensor:
     """A float32 scale tensor of shape [1] (or [num_heads] where per-head scales are allowed)."""
     tensor(name, s, ndim=1, dtypes=(torch.float32,))
     allowed = (1,) if num_heads is None else (1, num_heads)
@@ -179,7 +192,7 @@ def scale(name: str, s: object, num_heads: int | None = None) -> torch.Tensor:
     return s
 
 
-def slot_mapping(name: str, slots: torch.Tensor, num_slots: int, max_tokens: int) -> None:
+def slots(name: str, slots: torch.Tensor, num_slots: int, max_tokens: int) -> None:
     """Slots are int64, one per token (at most ``max_tokens``), and each < ``num_slots`` or negative."""
     tensor(name, slots, ndim=1, dtypes=(torch.int64,))
     if slots.numel() > max_tokens:
@@ -236,7 +249,7 @@ def block_tables_and_lens(
     return max_len
 
 
-def alibi_slopes(slopes: torch.Tensor | None, num_heads: int) -> None:
+def slopes(slopes: torch.Tensor | None, num_heads: int) -> None:
     """ALiBi slopes are float32, one per query head."""
     if slopes is None:
         return
@@ -252,3 +265,234 @@ def gqa(num_heads: int, num_kv_heads: int) -> int:
             f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
     return num_heads // num_kv_heads
+
+
+# --------------------------------------------------------------------------------------------
+# 2. One preamble per operation, called first by every front-end of it
+# --------------------------------------------------------------------------------------------
+
+def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                            check_ids: bool = True, *, scale: object, out: torch.Tensor | None = None,
+                            max_seq_len: object = None, num_splits: object = None) -> int:
+    """Decode over the flash layout (``ref_decode_attention`` and every ``paged_attention_decode``).
+
+    Checks the inputs, ``out`` for the kernels that write into one, and the kernels' options
+    ``max_seq_len`` (an upper bound on ``seq_lens``, refused when smaller than the longest read)
+    and ``num_splits`` (a positive int). Returns the bound the kernels size their work by:
+    ``max_seq_len`` if given, else the longest sequence (0 for an empty batch).
+
+    Strides are not checked here: the reference reads any view; each kernel checks what it needs.
+    """
+    tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    tensor("key_cache", key_cache, ndim=4)
+    tensor("value_cache", value_cache, ndim=4)
+    same_device(query=query, key_cache=key_cache, value_cache=value_cache,
+                block_tables=block_tables, seq_lens=seq_lens)
+    num_seqs, num_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    shape("key_cache", key_cache, (None, None, None, head_size))
+    shape("value_cache", value_cache, tuple(key_cache.shape))
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError(
+            f"key_cache and value_cache must have the query's dtype {query.dtype}, "
+            f"got {key_cache.dtype} and {value_cache.dtype}"
+        )
+    gqa(num_heads, num_kv_heads)
+    slopes(alibi_slopes, num_heads)
+    softmax_scale("scale", scale)
+    longest = block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
+                                    num_blocks=num_blocks, check_ids=check_ids)
+    if out is not None:
+        tensor("out", out, ndim=3, dtypes=(query.dtype,))
+        shape("out", out, tuple(query.shape))
+        same_device(out=out, query=query)
+        no_broadcast_dims("out", out)
+    if num_splits is not None:
+        positive_int("num_splits", num_splits)
+    if max_seq_len is not None:
+        return seq_len_bound(max_seq_len, longest)
+    if longest >= 0:
+        return longest
+    return int(seq_lens.max()) if num_seqs else 0
+
+
+def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_slots: int, per_head_scale: bool) -> None:
+    """What both cache writes check once their caches' shapes are known."""
+    tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES)
+    shape("value", value, tuple(key.shape))
+    if value.dtype != key.dtype:
+        raise TypeError(f"value must have the key's dtype {key.dtype}, got {value.dtype}")
+    kv_dtype("kv_cache_dtype", kv_cache_dtype)
+    want = cache_element_dtype(kv_cache_dtype, key.dtype)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != want:
+            raise TypeError(f"{name} must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r} "
+                            f"and {key.dtype} input, got {cache.dtype}")
+    same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    no_broadcast_dims("key_cache", key_cache)
+    no_broadcast_dims("value_cache", value_cache)
+    num_heads = key.size(1)
+    quant_scale("k_scale", k_scale, num_heads if per_head_scale else None)
+    quant_scale("v_scale", v_scale, num_heads if per_head_scale else None)
+    if k_scale.shape != v_scale.shape:
+        raise ValueError(f"k_scale and v_scale must have the same shape, got {list(k_scale.shape)} "
+                         f"and {list(v_scale.shape)}")
+    slots("slot_mapping", slot_mapping, num_slots, key.size(0))
+
+
+def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                            k_scale, v_scale) -> None:
+    """``reshape_and_cache``: new tokens into v0-layout caches."""
+    tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    tensor("key_cache", key_cache, ndim=5)
+    tensor("value_cache", value_cache, ndim=4)
+    num_blocks, num_heads, dx, block_size, x = key_cache.shape
+    head_size = key.size(2)
+    shape("key_cache", key_cache, (None, key.size(1), None, None, None))
+    if x != v0_x(key_cache.dtype) or dx * x != head_size:
+        raise ValueError(
+            f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
+            f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
+            f"for head_size {head_size}"
+        )
+    shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
+
+
+def check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                  k_scale, v_scale) -> None:
+    """``reshape_and_cache_flash``: new tokens into flash-layout caches (NHD or HND strides).
+
+    Both caches are addressed with one block stride and read a head's elements as one run.
+    """
+    tensor("key", key, ndim=3)
+    tensor("key_cache", key_cache, ndim=4)
+    tensor("value_cache", value_cache, ndim=4)
+    shape("key_cache", key_cache, (None, None, key.size(1), key.size(2)))
+    shape("value_cache", value_cache, tuple(key_cache.shape))
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("key_cache and value_cache must have a unit stride in their last (head_size) dimension")
+    if key_cache.stride(0) != value_cache.stride(0):
+        raise ValueError(f"key_cache and value_cache must have the same block stride, got "
+                         f"{key_cache.stride(0)} and {value_cache.stride(0)}")
+    num_blocks, block_size = key_cache.shape[:2]
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True)
+
+
+def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
+    """An int64 ``[num_pairs, 2]`` tensor of ``(src, dst)`` block ids, each within its cache."""
+    tensor("block_mapping", block_mapping, ndim=2, dtypes=(torch.int64,))
+    if block_mapping.size(1) != 2:
+        raise ValueError(f"block_mapping must have shape [num_pairs, 2] of (src, dst) ids, got {list(block_mapping.shape)}")
+    if block_mapping.numel() == 0:
+        return
+    pairs = block_mapping.cpu()
+    for col, name, limit in ((0, "src", num_src), (1, "dst", num_dst)):
+        ids = pairs[:, col]
+        if int(ids.min()) < 0 or int(ids.max()) >= limit:
+            raise ValueError(f"block_mapping holds a {name} block id outside [0, {limit})")
+
+
+def check_copy_blocks(key_caches, value_caches, block_mapping) -> bool:
+    """``copy_blocks``; returns False when there is nothing to copy (no layers)."""
+    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
+        raise TypeError("key_caches and value_caches must be lists of tensors, one per layer")
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"key_caches and value_caches must have the same number of layers, "
+                         f"got {len(key_caches)} and {len(value_caches)}")
+    if not key_caches:
+        return False
+    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+        tensor(f"key_caches[{i}]", k)
+        tensor(f"value_caches[{i}]", v)
+        no_broadcast_dims(f"key_caches[{i}]", k)
+        no_broadcast_dims(f"value_caches[{i}]", v)
+        if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
+            raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
+    check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
+    return True
+
+
+def block_bytes(name: str, t: object) -> torch.Tensor:
+    """A contiguous cache viewed as ``[num_blocks, bytes_per_block]`` of uint8: what a block copy moves."""
+    tensor(name, t)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous to be copied block by block")
+    return t.view(torch.uint8).view(t.size(0), -1)
+
+
+def check_swap_blocks(src, dst, block_size_in_bytes=None, block_mapping=None) -> tuple[int, torch.Tensor]:
+    """``swap_blocks``, either of vLLM's signatures; returns ``(bytes per block, block_mapping)``."""
+    if block_mapping is None and isinstance(block_size_in_bytes, torch.Tensor):
+        block_size_in_bytes, block_mapping = None, block_size_in_bytes
+    if block_mapping is None:
+        raise TypeError("swap_blocks needs block_mapping: swap_blocks(src, dst, [block_size_in_bytes,] block_mapping)")
+    src_b, dst_b = block_bytes("src", src), block_bytes("dst", dst)
+    tensor("block_mapping", block_mapping, device=torch.device("cpu"))
+    check_block_mapping(block_mapping, src.size(0), dst.size(0))
+    nbytes = src.element_size() * src.stride(0) if block_size_in_bytes is None else block_size_in_bytes
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise TypeError(f"block_size_in_bytes must be a positive int, got {block_size_in_bytes!r}")
+    if nbytes > min(src_b.size(1), dst_b.size(1)):
+        raise ValueError(f"block_size_in_bytes={nbytes} exceeds a block of src ({src_b.size(1)} bytes) "
+                         f"or dst ({dst_b.size(1)} bytes)")
+    return nbytes, block_mapping
+
+
+def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                       block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                       blocksparse_vert_stride, *, scale: object, check_ids: bool = True) -> None:
+    """``paged_attention_v1`` and ``_v2`` over the v0 layout (v2 adds ``check_v2_buffers``).
+
+    ``check_ids=False`` skips the block-id and length value checks, which copy the tables to the
+    host (and so cannot run inside a CUDA-graph capture); ``max_seq_len`` is then the caller's
+    promise of an upper bound on ``seq_lens``.
+    """
+    tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    tensor("out", out, ndim=3, dtypes=(query.dtype,))
+    shape("out", out, tuple(query.shape))
+    tensor("key_cache", key_cache, ndim=5)
+    tensor("value_cache", value_cache, ndim=4)
+    same_device(out=out, query=query, key_cache=key_cache, value_cache=value_cache,
+                block_tables=block_tables, seq_lens=seq_lens)
+    num_seqs, num_heads, head_size = query.shape
+    kv_dtype("kv_cache_dtype", kv_cache_dtype)
+    want = cache_element_dtype(kv_cache_dtype, query.dtype)
+    if key_cache.dtype != want or value_cache.dtype != want:
+        raise TypeError(f"key_cache and value_cache must have dtype {want} for kv_cache_dtype="
+                        f"{kv_cache_dtype!r}, got {key_cache.dtype} and {value_cache.dtype}")
+    x = v0_x(want)
+    shape("key_cache", key_cache, (None, num_kv_heads, head_size // x, block_size, x))
+    shape("value_cache", value_cache, (key_cache.size(0), num_kv_heads, head_size, block_size))
+    if head_size % x:
+        raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x}")
+    gqa(num_heads, num_kv_heads)
+    slopes(alibi_slopes, num_heads)
+    quant_scale("k_scale", k_scale)
+    quant_scale("v_scale", v_scale)
+    softmax_scale("scale", scale)
+    no_broadcast_dims("out", out)
+    if blocksparse_vert_stride > 1:
+        raise KernelUnavailable("block-sparse attention (blocksparse_vert_stride > 1) is not implemented in "
+                                "this project, by any of its kernels")
+    positive_int("max_seq_len", max_seq_len)
+    longest = block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
+                                    num_blocks=key_cache.size(0), check_ids=check_ids)
+    seq_len_bound(max_seq_len, longest)
+
+
+def check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len: int) -> None:
+    """v2's scratch tensors: one entry (or output row) per sequence, head and 512-token partition."""
+    num_seqs, num_heads, head_size = query.shape
+    num_partitions = cdiv(max_seq_len, PARTITION_SIZE)
+    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits)):
+        tensor(name, t, dtypes=(torch.float32,), device=query.device)
+        shape(name, t, (num_seqs, num_heads, num_partitions))
+    tensor("tmp_out", tmp_out, dtypes=(query.dtype,), device=query.device)
+    shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
+    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits), ("tmp_out", tmp_out)):
+        no_broadcast_dims(name, t)

@@ -1,4 +1,4 @@
-"""Plain-torch oracles: what every kernel in this project must compute (spec §5).
+"""Plain-torch oracles: what every kernel in this project must compute, as plain torch maths.
 
 Two kinds of reference live here.
 
@@ -17,28 +17,34 @@ Two cache layouts appear throughout.
 * vLLM's v0 layout: key ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and value
   ``[num_blocks, num_kv_heads, head_size, block_size]``, with ``x = 16 // element_size``: each
   run of ``x`` key elements is 16 bytes, one vectorised load for the v0 CUDA kernel.
+
+Each function starts with its operation's checks from :mod:`paged_attention.kernels.args`, the
+same ones the Triton, CUDA and vLLM front-ends call, so bad input fails alike everywhere; what
+follows is the maths, to be held next to the kernels.
 """
 from __future__ import annotations
 
 import torch
 
 from paged_attention.kernels import args
+from paged_attention.kernels.layout import PARTITION_SIZE, v0_x
 from paged_attention.utils import cdiv
 
-# vLLM's softmax adds this to the denominator (spec pitfall 30).
+# vLLM's v0 attention kernels divide by ``exp_sum + 1e-6`` (csrc/attention/attention_kernels.cuh),
+# so a softmax over one token gives 1 / (1 + 1e-6), not 1: the plain-torch versions of those
+# kernels do the same, the float64 oracle does not.
 SOFTMAX_EPS = 1e-6
-# paged_attention_v2 cuts each sequence into partitions of this many tokens (spec §5.6).
-PARTITION_SIZE = 512
+
+__all__ = [
+    "SOFTMAX_EPS", "PARTITION_SIZE", "v0_x", "flash_to_v0", "v0_to_flash", "gather_kv", "ref_decode_attention",
+    "reshape_and_cache", "reshape_and_cache_flash", "copy_blocks", "swap_blocks", "v2_scratch", "v0_decode_args",
+    "paged_attention_v1", "paged_attention_v2",
+]
 
 
 # --------------------------------------------------------------------------------------------
 # Layouts
 # --------------------------------------------------------------------------------------------
-
-def v0_x(dtype: torch.dtype) -> int:
-    """Elements per 16-byte chunk of the v0 key cache: 8 for fp16/bf16, 4 for fp32, 16 for fp8."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
-
 
 def flash_to_v0(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy flash-layout caches ``[N, B, H, D]`` into vLLM's v0 layout (same contents)."""
@@ -123,7 +129,7 @@ def ref_decode_attention(
     ``[num_seqs, max_blocks]`` and ``seq_lens`` is ``[num_seqs]``. Returns float64
     ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon).
     """
-    check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, scale=scale)
+    args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, scale=scale)
     scale = float(scale)
     num_seqs, num_heads, head_size = query.shape
     out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64, device=query.device)
@@ -136,42 +142,8 @@ def ref_decode_attention(
     return out
 
 
-def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                             check_ids: bool = True, *, scale: object, out: torch.Tensor | None = None) -> int:
-    """Checks shared by every decode over the flash layout (and its ``out``, for the kernels
-    that write into one); returns the longest sequence (-1 when ``check_ids=False``).
-
-    Strides are not checked here: the reference reads any view; each kernel checks (or passes
-    to the kernel) what it needs."""
-    args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
-    args.tensor("key_cache", key_cache, ndim=4)
-    args.tensor("value_cache", value_cache, ndim=4)
-    args.same_device(query=query, key_cache=key_cache, value_cache=value_cache,
-                     block_tables=block_tables, seq_lens=seq_lens)
-    num_seqs, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    args.shape("key_cache", key_cache, (None, None, None, head_size))
-    args.shape("value_cache", value_cache, tuple(key_cache.shape))
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise TypeError(
-            f"key_cache and value_cache must have the query's dtype {query.dtype}, "
-            f"got {key_cache.dtype} and {value_cache.dtype}"
-        )
-    args.gqa(num_heads, num_kv_heads)
-    args.alibi_slopes(alibi_slopes, num_heads)
-    args.softmax_scale("scale", scale)
-    longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
-                                         num_blocks=num_blocks, check_ids=check_ids)
-    if out is not None:
-        args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
-        args.shape("out", out, tuple(query.shape))
-        args.same_device(out=out, query=query)
-        args.no_broadcast_dims("out", out)
-    return longest
-
-
 # --------------------------------------------------------------------------------------------
-# Cache writes (spec §5.1, §5.2) and the fp8 conversions they may apply
+# Cache writes (vLLM's csrc/cache_kernels.cu) and the fp8 conversions they may apply
 # --------------------------------------------------------------------------------------------
 
 def _to_cache(x: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> torch.Tensor:
@@ -195,52 +167,6 @@ def _from_cache(c: torch.Tensor, kv_cache_dtype: str, scale: torch.Tensor) -> to
     return c.view(args.FP8_KV_DTYPES[kv_cache_dtype]).float() * scale.float()
 
 
-def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_slots: int, per_head_scale: bool):
-    args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
-    args.tensor("value", value, ndim=3, dtypes=args.FLOAT_DTYPES)
-    args.shape("value", value, tuple(key.shape))
-    if value.dtype != key.dtype:
-        raise TypeError(f"value must have the key's dtype {key.dtype}, got {value.dtype}")
-    args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
-    want = args.cache_element_dtype(kv_cache_dtype, key.dtype)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dtype != want:
-            raise TypeError(f"{name} must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r} "
-                            f"and {key.dtype} input, got {cache.dtype}")
-    args.same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                     slot_mapping=slot_mapping)
-    args.no_broadcast_dims("key_cache", key_cache)
-    args.no_broadcast_dims("value_cache", value_cache)
-    num_heads = key.size(1)
-    args.scale("k_scale", k_scale, num_heads if per_head_scale else None)
-    args.scale("v_scale", v_scale, num_heads if per_head_scale else None)
-    if k_scale.shape != v_scale.shape:
-        raise ValueError(f"k_scale and v_scale must have the same shape, got {list(k_scale.shape)} "
-                         f"and {list(v_scale.shape)}")
-    args.slot_mapping("slot_mapping", slot_mapping, num_slots, key.size(0))
-
-
-def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale) -> None:
-    """All argument checks of ``reshape_and_cache`` (v0 layout); shared with the CUDA wrapper."""
-    args.tensor("key", key, ndim=3, dtypes=args.FLOAT_DTYPES)
-    args.tensor("key_cache", key_cache, ndim=5)
-    args.tensor("value_cache", value_cache, ndim=4)
-    num_blocks, num_heads, dx, block_size, x = key_cache.shape
-    head_size = key.size(2)
-    args.shape("key_cache", key_cache, (None, key.size(1), None, None, None))
-    if x != v0_x(key_cache.dtype) or dx * x != head_size:
-        raise ValueError(
-            f"key_cache must have shape [num_blocks, num_heads, head_size / x, block_size, x] with "
-            f"x = 16 // element_size = {v0_x(key_cache.dtype)}; got {list(key_cache.shape)} "
-            f"for head_size {head_size}"
-        )
-    args.shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
-    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
-
-
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -251,14 +177,14 @@ def reshape_and_cache(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    """Write each token's keys and values into its slot of a v0-layout cache (spec §5.1).
+    """Write each token's keys and values into its slot of a v0-layout cache.
 
     Token ``t`` goes to slot ``s = slot_mapping[t]``: block ``s // block_size``, offset
     ``s % block_size``. Key element ``d`` of head ``h`` lands at ``[blk, h, d // x, off, d % x]``
     and value element ``d`` at ``[blk, h, d, off]``. Tokens with a negative slot are skipped.
     Only ``slot_mapping.size(0)`` tokens are written (``key`` may be longer: padding).
     """
-    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    args.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     num_blocks, num_heads, dx, block_size, x = key_cache.shape
     tokens = torch.nonzero(slot_mapping >= 0).flatten()
     slots = slot_mapping[tokens]
@@ -280,13 +206,13 @@ def reshape_and_cache_flash(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
 ) -> None:
-    """Write each token's keys and values into a flash-layout cache (spec §5.2).
+    """Write each token's keys and values into a flash-layout cache.
 
     The caches are ``[num_blocks, block_size, num_heads, head_size]`` with any strides (NHD or
     HND memory) and a unit last stride. Token ``t`` with slot ``s >= 0`` is written to
     ``cache[s // block_size, s % block_size]``. Scales are ``[1]`` or per head ``[num_heads]``.
     """
-    check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+    args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                                   k_scale, v_scale)
     block_size = key_cache.size(1)
     tokens = torch.nonzero(slot_mapping >= 0).flatten()
@@ -297,106 +223,24 @@ def reshape_and_cache_flash(
         value[tokens], kv_cache_dtype, v_scale.reshape(-1, 1))
 
 
-def check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                  k_scale, v_scale) -> None:
-    """All argument checks of ``reshape_and_cache_flash``; shared with the CUDA wrapper."""
-    check_flash_caches(key, key_cache, value_cache)
-    num_blocks, block_size = key_cache.shape[:2]
-    _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True)
-
-
-def check_flash_caches(key: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """Shape and stride checks for flash-layout caches, shared by the reference and Triton."""
-    args.tensor("key", key, ndim=3)
-    args.tensor("key_cache", key_cache, ndim=4)
-    args.tensor("value_cache", value_cache, ndim=4)
-    args.shape("key_cache", key_cache, (None, None, key.size(1), key.size(2)))
-    args.shape("value_cache", value_cache, tuple(key_cache.shape))
-    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
-        raise ValueError("key_cache and value_cache must have a unit stride in their last (head_size) dimension")
-    if key_cache.stride(0) != value_cache.stride(0):
-        raise ValueError(f"key_cache and value_cache must have the same block stride, got "
-                         f"{key_cache.stride(0)} and {value_cache.stride(0)}")
-
-
 # --------------------------------------------------------------------------------------------
-# Block copies (spec §5.3, §5.4)
+# Block copies (vLLM's csrc/cache_kernels.cu)
 # --------------------------------------------------------------------------------------------
-
-def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:
-    args.tensor("block_mapping", block_mapping, ndim=2, dtypes=(torch.int64,))
-    if block_mapping.size(1) != 2:
-        raise ValueError(f"block_mapping must have shape [num_pairs, 2] of (src, dst) ids, got {list(block_mapping.shape)}")
-    if block_mapping.numel() == 0:
-        return
-    pairs = block_mapping.cpu()
-    for col, name, limit in ((0, "src", num_src), (1, "dst", num_dst)):
-        ids = pairs[:, col]
-        if int(ids.min()) < 0 or int(ids.max()) >= limit:
-            raise ValueError(f"block_mapping holds a {name} block id outside [0, {limit})")
-
-
-def check_copy_blocks(key_caches, value_caches, block_mapping) -> bool:
-    """All argument checks of ``copy_blocks``; False when there is nothing to copy (no layers)."""
-    if not isinstance(key_caches, (list, tuple)) or not isinstance(value_caches, (list, tuple)):
-        raise TypeError("key_caches and value_caches must be lists of tensors, one per layer")
-    if len(key_caches) != len(value_caches):
-        raise ValueError(f"key_caches and value_caches must have the same number of layers, "
-                         f"got {len(key_caches)} and {len(value_caches)}")
-    if not key_caches:
-        return False
-    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
-        args.tensor(f"key_caches[{i}]", k)
-        args.tensor(f"value_caches[{i}]", v)
-        args.no_broadcast_dims(f"key_caches[{i}]", k)
-        args.no_broadcast_dims(f"value_caches[{i}]", v)
-        if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
-            raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
-    check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
-    return True
-
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """For every layer and every ``(src, dst)`` pair, copy block ``src`` over block ``dst`` (spec §5.3).
+    """For every layer and every ``(src, dst)`` pair, copy block ``src`` over block ``dst``.
 
     This is what copy-on-write needs: the legacy block manager's CoW pairs, applied to the caches
     of all layers at once. Pairs are independent (all sources are read before any write), so a
     block may be the source of several pairs. vLLM wanted ``block_mapping`` on the GPU; the
     reference takes it on any device.
     """
-    if not check_copy_blocks(key_caches, value_caches, block_mapping):
+    if not args.check_copy_blocks(key_caches, value_caches, block_mapping):
         return
     src = block_mapping[:, 0].to(key_caches[0].device)
     dst = block_mapping[:, 1].to(key_caches[0].device)
     for cache in (*key_caches, *value_caches):
         cache[dst] = cache[src]  # the right side is gathered into a new tensor first
-
-
-def _block_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
-    """View a contiguous cache as ``[num_blocks, bytes_per_block]`` of uint8."""
-    args.tensor(name, t)
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous to be copied block by block")
-    return t.view(torch.uint8).view(t.size(0), -1)
-
-
-def check_swap_blocks(src, dst, block_size_in_bytes=None, block_mapping=None) -> tuple[int, torch.Tensor]:
-    """All argument checks of ``swap_blocks`` (either signature); returns ``(bytes, block_mapping)``."""
-    if block_mapping is None and isinstance(block_size_in_bytes, torch.Tensor):
-        block_size_in_bytes, block_mapping = None, block_size_in_bytes
-    if block_mapping is None:
-        raise TypeError("swap_blocks needs block_mapping: swap_blocks(src, dst, [block_size_in_bytes,] block_mapping)")
-    src_b, dst_b = _block_bytes("src", src), _block_bytes("dst", dst)
-    args.tensor("block_mapping", block_mapping, device=torch.device("cpu"))
-    check_block_mapping(block_mapping, src.size(0), dst.size(0))
-    nbytes = src.element_size() * src.stride(0) if block_size_in_bytes is None else block_size_in_bytes
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-        raise TypeError(f"block_size_in_bytes must be a positive int, got {block_size_in_bytes!r}")
-    if nbytes > min(src_b.size(1), dst_b.size(1)):
-        raise ValueError(f"block_size_in_bytes={nbytes} exceeds a block of src ({src_b.size(1)} bytes) "
-                         f"or dst ({dst_b.size(1)} bytes)")
-    return nbytes, block_mapping
 
 
 def swap_blocks(
@@ -405,7 +249,7 @@ def swap_blocks(
     block_size_in_bytes: int | torch.Tensor | None = None,
     block_mapping: torch.Tensor | None = None,
 ) -> None:
-    """Copy whole blocks between two caches, e.g. GPU to pinned CPU and back (spec §5.4).
+    """Copy whole blocks between two caches, e.g. GPU to pinned CPU and back.
 
     Both of vLLM's signatures work: ``swap_blocks(src, dst, block_mapping)`` (until 2026-01,
     a block is ``src.element_size() * src.stride(0)`` bytes) and
@@ -413,57 +257,16 @@ def swap_blocks(
     an int64 ``[n, 2]`` tensor of ``(src, dst)`` block ids and must be on the CPU, as in vLLM.
     vLLM refuses CPU-to-CPU swaps; the reference allows them so that it runs on any machine.
     """
-    nbytes, block_mapping = check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
-    src_b, dst_b = _block_bytes("src", src), _block_bytes("dst", dst)
+    nbytes, block_mapping = args.check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
+    src_b, dst_b = args.block_bytes("src", src), args.block_bytes("dst", dst)
     s = block_mapping[:, 0].to(src.device)
     d = block_mapping[:, 1].to(dst.device)
     dst_b[d, :nbytes] = src_b[s, :nbytes].to(dst.device)
 
 
 # --------------------------------------------------------------------------------------------
-# Paged attention v1 / v2 over the v0 layout (spec §5.6), in plain torch
+# Paged attention v1 / v2 over the v0 layout (vLLM's csrc/attention/), in plain torch
 # --------------------------------------------------------------------------------------------
-
-def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                       block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                       blocksparse_vert_stride, *, scale: object, check_ids: bool = True) -> None:
-    """All argument checks of ``paged_attention_v1`` (and v2's shared ones).
-
-    ``check_ids=False`` skips the block-id and length value checks, which copy the tables to the
-    host (and so cannot run inside a CUDA-graph capture); ``max_seq_len`` is then the caller's
-    promise of an upper bound on ``seq_lens``.
-    """
-    args.tensor("query", query, ndim=3, dtypes=args.FLOAT_DTYPES)
-    args.tensor("out", out, ndim=3, dtypes=(query.dtype,))
-    args.shape("out", out, tuple(query.shape))
-    args.tensor("key_cache", key_cache, ndim=5)
-    args.tensor("value_cache", value_cache, ndim=4)
-    args.same_device(out=out, query=query, key_cache=key_cache, value_cache=value_cache,
-                     block_tables=block_tables, seq_lens=seq_lens)
-    num_seqs, num_heads, head_size = query.shape
-    args.kv_cache_dtype("kv_cache_dtype", kv_cache_dtype)
-    want = args.cache_element_dtype(kv_cache_dtype, query.dtype)
-    if key_cache.dtype != want or value_cache.dtype != want:
-        raise TypeError(f"key_cache and value_cache must have dtype {want} for kv_cache_dtype="
-                        f"{kv_cache_dtype!r}, got {key_cache.dtype} and {value_cache.dtype}")
-    x = v0_x(want)
-    args.shape("key_cache", key_cache, (None, num_kv_heads, head_size // x, block_size, x))
-    args.shape("value_cache", value_cache, (key_cache.size(0), num_kv_heads, head_size, block_size))
-    if head_size % x:
-        raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x}")
-    args.gqa(num_heads, num_kv_heads)
-    args.alibi_slopes(alibi_slopes, num_heads)
-    args.scale("k_scale", k_scale)
-    args.scale("v_scale", v_scale)
-    args.softmax_scale("scale", scale)
-    args.no_broadcast_dims("out", out)
-    if blocksparse_vert_stride > 1:
-        raise ValueError("block-sparse attention (blocksparse_vert_stride > 1) is not implemented here")
-    args.positive_int("max_seq_len", max_seq_len)
-    longest = args.block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
-                                         num_blocks=key_cache.size(0), check_ids=check_ids)
-    args.max_seq_len(max_seq_len, longest)
-
 
 def _gather_v0(key_cache, value_cache, block_table, seq_len, kv_cache_dtype, k_scale, v_scale):
     """One sequence's keys and values as float32 ``[seq_len, H_kv, D]`` from v0-layout caches."""
@@ -480,19 +283,6 @@ def _softmax_parts(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     e = torch.exp(logits - m[:, None])
     s = e.sum(dim=-1)
     return m, s, e / (s[:, None] + SOFTMAX_EPS)
-
-
-def check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len: int) -> None:
-    """v2's scratch tensors: one entry (or output row) per sequence, head and 512-token partition."""
-    num_seqs, num_heads, head_size = query.shape
-    num_partitions = cdiv(max_seq_len, PARTITION_SIZE)
-    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits)):
-        args.tensor(name, t, dtypes=(torch.float32,), device=query.device)
-        args.shape(name, t, (num_seqs, num_heads, num_partitions))
-    args.tensor("tmp_out", tmp_out, dtypes=(query.dtype,), device=query.device)
-    args.shape("tmp_out", tmp_out, (num_seqs, num_heads, num_partitions, head_size))
-    for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits), ("tmp_out", tmp_out)):
-        args.no_broadcast_dims(name, t)
 
 
 def v2_scratch(query: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -538,13 +328,13 @@ def paged_attention_v1(
     blocksparse_block_size: int = 64,
     blocksparse_head_sliding_step: int = 0,
 ) -> None:
-    """One decode step over a v0-layout cache, each sequence in one pass (spec §5.6).
+    """One decode step over a v0-layout cache, each sequence in one pass.
 
     Scores and sums are float32, as in the CUDA kernel; the softmax denominator carries vLLM's
     ``+1e-6``; the result is written into ``out`` in the query's dtype. Block-sparse attention
     (``blocksparse_vert_stride > 1``) is not implemented; ``tp_rank`` only mattered there.
     """
-    check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+    args.check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
                        blocksparse_vert_stride, scale=scale)
     scale = float(scale)
@@ -580,7 +370,7 @@ def paged_attention_v2(
     blocksparse_block_size: int = 64,
     blocksparse_head_sliding_step: int = 0,
 ) -> None:
-    """One decode step in 512-token partitions, then a reduction (spec §5.6).
+    """One decode step in 512-token partitions, then a reduction.
 
     Partition ``p`` of a sequence covers tokens ``[512 p, 512 (p + 1))``. It records its own
     maximum score ``m_p`` (``max_logits``), its exp-sum ``s_p`` (``exp_sums``) and its locally
@@ -589,10 +379,10 @@ def paged_attention_v2(
     (sum_p w_p + 1e-6)``. A single-partition sequence copies ``tmp_out`` straight to ``out``.
     Partitions past a sequence's end are left untouched, as the CUDA kernel leaves them.
     """
-    check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+    args.check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
                        block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
                        blocksparse_vert_stride, scale=scale)
-    check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
+    args.check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
     scale = float(scale)
     for s, seq_len in enumerate(seq_lens.tolist()):
         k, v = _gather_v0(key_cache, value_cache, block_tables[s], seq_len, kv_cache_dtype, k_scale, v_scale)

@@ -7,7 +7,7 @@ the torch of this project. Two of them are used here:
   ``fwd`` op, given a block table, is a paged decode over the flash layout. Wrapped here as
   ``paged_attention_decode``, with the signature of the Triton kernel of the same name.
 * ``_C_stable_libtorch.abi3.so``: the cache ops ``reshape_and_cache``, ``reshape_and_cache_flash``
-  and ``swap_blocks`` (spec §5.1, §5.2, §5.4), wrapped with the signatures of ours.
+  and ``swap_blocks``, wrapped with the signatures of ours.
 
 Where they are looked for: the folder named by ``PAGED_ATTENTION_VLLM_KERNELS`` (what
 ``tools/vllm_kernels.py`` fetches and unpacks), else an installed ``vllm`` package (found, not
@@ -15,9 +15,11 @@ imported). vLLM 0.33 no longer ships the classic ``paged_attention_v1``/``v2``: 
 readable ones, FA3 is the production one.
 
 Importing this module never fails. Without the libraries (or without a GPU) ``available()``
-says why, and every function raises ``VllmUnavailableError``. Each wrapper first runs the same
-argument checks as the reference, so bad input raises ``ValueError``/``TypeError`` before vLLM's
-code sees it; what FA3 itself refuses is re-raised as ``ValueError``.
+says why, and every function raises ``VllmUnavailableError`` (a ``KernelUnavailable``). Each
+wrapper first runs the same argument checks as the reference (``kernels.args``), so bad input
+raises ``ValueError``/``TypeError`` before vLLM's code sees it. What vLLM's kernels cannot take
+(ALiBi or float32 in FA3, CPU tensors) raises ``KernelUnavailable``, and so does what FA3 itself
+refuses, with FA3's message.
 """
 from __future__ import annotations
 
@@ -29,8 +31,7 @@ from typing import Any
 
 import torch
 
-from paged_attention.kernels import args
-from paged_attention.kernels import reference as ref
+from paged_attention.kernels import KernelUnavailable, args
 
 ENV_VAR = "PAGED_ATTENTION_VLLM_KERNELS"
 FA3_LIBRARY = "_vllm_fa3_C.abi3.so"
@@ -42,7 +43,7 @@ DECODE_DTYPES = (torch.float16, torch.bfloat16)
 DECODE_ALIBI = False
 
 
-class VllmUnavailableError(RuntimeError):
+class VllmUnavailableError(KernelUnavailable):
     """vLLM's kernels cannot run here: not found, no GPU, or they failed to load."""
 
 
@@ -122,7 +123,7 @@ def available() -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Cache writes and swaps (spec §5.1, §5.2, §5.4)
+# Cache writes and swaps
 # --------------------------------------------------------------------------------------------
 
 _WHY = "vLLM's kernels"
@@ -134,7 +135,7 @@ def _to_kernel(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tenso
     (strided views of these small tensors become contiguous copies), and each token's keys and
     values as one run of ``heads * head_size`` elements (only the token stride is theirs)."""
     if key.device.type != "cuda":
-        raise ValueError(f"key must be on a CUDA device for vLLM's kernels, got {key.device}")
+        raise KernelUnavailable(f"key is on {key.device}: vLLM's kernels run on tensors on a CUDA device")
     args.rows_of_heads(_WHY, key=key, value=value)
     return (slot_mapping.to(key.device, torch.int64).contiguous(),
             k_scale.to(key.device, torch.float32).contiguous(), v_scale.to(key.device, torch.float32).contiguous())
@@ -153,7 +154,7 @@ def reshape_and_cache(
     """vLLM's scatter of new tokens into the v0-layout caches (which it indexes by shape: they
     must be contiguous)."""
     ops = _cache_ops()
-    ref.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    args.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     slots, ks, vs = _to_kernel(key, value, slot_mapping, k_scale, v_scale)
     args.contiguous(_WHY, key_cache=key_cache, value_cache=value_cache)
     ops.reshape_and_cache(key, value, key_cache, value_cache, slots, kv_cache_dtype, ks, vs)
@@ -174,8 +175,8 @@ def reshape_and_cache_flash(
     vLLM addresses both caches with the key cache's block, token and head strides, so the value
     cache must have the same strides (K and V views of one cache tensor do)."""
     ops = _cache_ops()
-    ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                      k_scale, v_scale)
+    args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                       k_scale, v_scale)
     slots, ks, vs = _to_kernel(key, value, slot_mapping, k_scale, v_scale)
     if key_cache.stride() != value_cache.stride():
         raise ValueError(f"key_cache and value_cache must have the same strides for vLLM's kernels, got "
@@ -191,9 +192,9 @@ def swap_blocks(
 ) -> None:
     """vLLM's block copy between a GPU cache and a (pinned) CPU cache; both of its signatures."""
     ops = _cache_ops()
-    nbytes, block_mapping = ref.check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
+    nbytes, block_mapping = args.check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
     if not (src.is_cuda or dst.is_cuda):
-        raise ValueError("swap_blocks copies to or from a GPU; for CPU-to-CPU use "
+        raise KernelUnavailable("swap_blocks copies to or from a GPU; for CPU-to-CPU use "
                          "paged_attention.kernels.reference.swap_blocks")
     ops.swap_blocks(src, dst, nbytes, block_mapping.to("cpu", torch.int64).contiguous())
 
@@ -228,26 +229,20 @@ def paged_attention_decode(
     ``check_ids=True``).
     """
     fa3 = _fa3()
-    longest = ref.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                                          check_ids=check_ids, scale=scale, out=out)
+    max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                                               check_ids=check_ids, scale=scale, out=out, max_seq_len=max_seq_len,
+                                               num_splits=num_splits)
     if query.dtype not in DECODE_DTYPES:
-        raise TypeError(f"query must be float16 or bfloat16 for vLLM's FA3, got {query.dtype}")
+        raise KernelUnavailable(f"vLLM's FA3 runs in float16 or bfloat16 only, got {query.dtype}")
     if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: vLLM's FA3 has no ALiBi; use the Triton, CUDA or reference kernels")
+        raise KernelUnavailable("alibi_slopes: vLLM's FA3 has no ALiBi; use the Triton, CUDA or reference kernels")
     if query.device.type != "cuda":
-        raise ValueError(f"query must be on a CUDA device for vLLM's FA3, got {query.device}")
+        raise KernelUnavailable(f"query is on {query.device}: vLLM's FA3 runs on tensors on a CUDA device")
     args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
-    if not out.is_contiguous():
-        raise ValueError(f"out must be contiguous for vLLM's FA3, got strides {list(out.stride())}")
-    if max_seq_len is not None:
-        args.max_seq_len(max_seq_len, longest)
-    if num_splits is not None:
-        args.positive_int("num_splits", num_splits)
+    args.contiguous("vLLM's FA3", out=out)
     num_seqs = query.size(0)
     if num_seqs == 0:
         return
-    if max_seq_len is None:
-        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     try:
         fa3.fwd(query, key_cache, value_cache,
@@ -267,4 +262,4 @@ def paged_attention_decode(
     except RuntimeError as e:
         if "CUDA error" in str(e):       # a fault, not a refusal
             raise
-        raise ValueError(f"vLLM's FA3 refused these arguments: {e}") from e
+        raise KernelUnavailable(f"vLLM's FA3 refused these arguments: {e}") from e

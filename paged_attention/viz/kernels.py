@@ -1,137 +1,32 @@
 """Drawing vLLM's classic CUDA paged-attention kernels: cache layout, threads, partitions, timings.
 
-vLLM's first attention kernels (``paged_attention_v1`` and ``_v2``, spec §5.6) read a cache laid
-out for them:
-
-* key cache ``[num_blocks, num_kv_heads, head_size / x, block_size, x]`` with ``x = 16 bytes /
-  element size``: a key is cut into ``x``-element chunks of 16 bytes, and chunk ``c`` of every
-  token of a block is stored side by side;
-* value cache ``[num_blocks, num_kv_heads, head_size, block_size]``: tokens innermost.
-
-v1 runs one CUDA block of 128 threads (4 warps) per (head, sequence); v2 adds a third grid
-dimension, 512-token *partitions* of the context, and a second kernel that merges them.
-
-The small functions of section 1 hold the arithmetic (where an element lives, which lane loads
-what, which tokens a partition covers); the drawings and the exercise checkers use them.
+The arithmetic these pictures show (where an element of the v0 cache lives, which lane of v1
+loads what, which tokens a v2 partition covers) lives with the kernels, in
+:mod:`paged_attention.kernels.layout`; this module only draws it.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from matplotlib.patches import Rectangle
 
+from paged_attention.kernels.layout import (
+    CHUNK_BYTES, WARP_SIZE, ThreadMapping, v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights,
+    v2_partitions,
+)
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
     EDGE_COLOR, LANE_COLORS, MUTED_COLOR, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
 )
 
-
-WARP_SIZE = 32
-CHUNK_BYTES = 16              # one vectorised load: the key cache's x-chunk is this many bytes
-V1_BLOCK_SIZES = (8, 16, 32)  # the block sizes vLLM compiles its v0 kernels for (spec §5.6)
-
-# --------------------------------------------------------------------------------------------
-# 1. The arithmetic the drawings show
-# --------------------------------------------------------------------------------------------
-
-
-def v0_key_offset(d: int, t: int, block_size: int, x: int) -> int:
-    """Where element ``d`` of token ``t``'s key sits in one head's slice of a v0 key-cache block.
-
-    The slice is ``[head_size / x, block_size, x]`` in memory order: chunk ``d // x`` first, then
-    the token, then the place ``d % x`` inside the chunk.
-
-    >>> v0_key_offset(d=5, t=2, block_size=4, x=4)   # chunk 1, token 2, place 1
-    25
-    """
-    return ((d // x) * block_size + t) * x + d % x
-
-
-def v0_value_offset(d: int, t: int, block_size: int) -> int:
-    """Where element ``d`` of token ``t``'s value sits in one head's ``[head_size, block_size]`` slice."""
-    return d * block_size + t
-
-
-@dataclass(frozen=True)
-class ThreadMapping:
-    """How v1 spreads the keys of one KV block over the lanes of one warp (spec §5.6).
-
-    A *thread group* of ``thread_group_size`` lanes owns one token of the block; lane ``l`` of a
-    group loads elements ``[l * vec_size, (l + 1) * vec_size)`` of every ``x``-chunk of that
-    token's key, ``vecs_per_lane`` loads in all, and the group adds up its partial dot products
-    with warp shuffles.
-    """
-
-    block_size: int
-    head_size: int
-    dtype_bytes: int
-    num_warps: int
-    x: int                  # elements per 16-byte chunk of the key cache
-    thread_group_size: int  # lanes per token
-    vec_size: int           # elements one lane loads at a time
-    groups_per_warp: int    # tokens a warp works on at once
-    vecs_per_lane: int      # loads per lane to cover a whole key
-
-    @property
-    def num_threads(self) -> int:
-        return WARP_SIZE * self.num_warps
-
-    def lane_elements(self, lane: int, chunk: int) -> tuple[int, list[int]]:
-        """``(token, dims)``: the token of the block and the key dims ``lane`` loads from ``chunk``."""
-        group, place = divmod(lane, self.thread_group_size)
-        start = chunk * self.x + place * self.vec_size
-        return group, list(range(start, start + self.vec_size))
-
-
-def v1_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes: int = 2,
-                      num_warps: int = 4) -> ThreadMapping:
-    """The numbers of :class:`ThreadMapping` for a block size, head size and cache element size."""
-    if block_size not in V1_BLOCK_SIZES or not is_int(block_size):
-        raise ValueError(f"block_size must be one of {V1_BLOCK_SIZES} (vLLM's compiled sizes), "
-                         f"got {block_size!r}")
-    if dtype_bytes not in (1, 2, 4) or not is_int(dtype_bytes):
-        raise ValueError(f"dtype_bytes must be 1 (fp8), 2 (fp16/bf16) or 4 (fp32), got {dtype_bytes!r}")
-    head_size = positive_int("head_size", head_size)
-    num_warps = positive_int("num_warps", num_warps)
-    x = CHUNK_BYTES // dtype_bytes
-    if head_size % x:
-        raise ValueError(f"head_size ({head_size}) must be a multiple of x = {x} for "
-                         f"{dtype_bytes}-byte elements")
-    group = max(WARP_SIZE // block_size, 1)
-    vec = max(x // group, 1)
-    return ThreadMapping(block_size=block_size, head_size=head_size, dtype_bytes=dtype_bytes,
-                         num_warps=num_warps, x=x, thread_group_size=group, vec_size=vec,
-                         groups_per_warp=WARP_SIZE // group, vecs_per_lane=head_size // (group * vec))
-
-
-def v2_partitions(seq_len: int, partition_size: int = 512) -> list[range]:
-    """The token ranges of a sequence's v2 partitions; the last one may be shorter.
-
-    >>> v2_partitions(1400)
-    [range(0, 512), range(512, 1024), range(1024, 1400)]
-    """
-    seq_len = positive_int("seq_len", seq_len)
-    partition_size = positive_int("partition_size", partition_size)
-    return [range(lo, min(lo + partition_size, seq_len)) for lo in range(0, seq_len, partition_size)]
-
-
-def v2_merge_weights(max_logits: Sequence[float], exp_sums: Sequence[float]) -> list[float]:
-    """Each partition's weight in v2's reduction: ``w_p = s_p * exp(m_p - M)``, ``M = max_p m_p``.
-
-    ``s_p`` sums ``exp(logit - m_p)`` over partition ``p``; multiplying by ``exp(m_p - M)`` puts
-    every partition's sum on the same scale, the global maximum's.
-    """
-    if len(max_logits) != len(exp_sums) or not len(max_logits):
-        raise ValueError("max_logits and exp_sums must be non-empty and of the same length, got "
-                         f"{len(max_logits)} and {len(exp_sums)}")
-    top = max(max_logits)
-    return [s * math.exp(m - top) for m, s in zip(max_logits, exp_sums)]
-
+__all__ = [
+    "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
+    # the models drawn here, re-exported for the notebooks that import them with the drawings
+    "ThreadMapping", "v0_key_offset", "v0_value_offset", "v1_thread_mapping", "v2_merge_weights", "v2_partitions",
+]
 
 # --------------------------------------------------------------------------------------------
-# 2. The v0 cache layout
+# 1. The v0 cache layout
 # --------------------------------------------------------------------------------------------
 
 _MAX_CELLS = 512  # beyond this many elements per cache the labels cannot be read
@@ -227,7 +122,7 @@ def draw_v0_key_layout(head_size: int = 16, block_size: int = 4, x: int = 4, ax:
 
 
 # --------------------------------------------------------------------------------------------
-# 3. v1: threads, warps and blocks
+# 2. v1: threads, warps and blocks
 # --------------------------------------------------------------------------------------------
 
 def draw_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes: int = 2,
@@ -327,7 +222,7 @@ def draw_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes:
 
 
 # --------------------------------------------------------------------------------------------
-# 4. v2: partitions and their merge
+# 3. v2: partitions and their merge
 # --------------------------------------------------------------------------------------------
 
 def draw_v2_partitions(seq_len: int = 1400, partition_size: int = 512, block_size: int = 16,
@@ -401,7 +296,7 @@ def draw_v2_partitions(seq_len: int = 1400, partition_size: int = 512, block_siz
 
 
 # --------------------------------------------------------------------------------------------
-# 5. Timings
+# 4. Timings
 # --------------------------------------------------------------------------------------------
 
 def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[float | None]],

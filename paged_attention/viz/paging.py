@@ -7,7 +7,8 @@ token's *slot*, the row of the cache its key and value are written to:
 
     slot = block_table[s][t // block_size] * block_size + t % block_size
 
-``slot_mapping`` computes that list; ``draw_block_table`` and ``draw_slot_mapping`` draw it.
+``paged_attention.utils.slot_mapping`` computes that list (re-exported here with the drawings);
+``draw_block_table`` and ``draw_slot_mapping`` draw it.
 """
 from __future__ import annotations
 
@@ -15,75 +16,13 @@ from typing import Any
 
 from matplotlib.patches import Rectangle
 
-from paged_attention.utils import cdiv
+from paged_attention.utils import as_list, cdiv, check_block_table, slot_mapping
 from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, is_int, new_axes, seq_color
 
-# --------------------------------------------------------------------------------------------
-# 1. Checking the inputs, once for every function here
-# --------------------------------------------------------------------------------------------
-
-
-def _as_list(value: Any, name: str) -> list:
-    """A list from a list, tuple, numpy array or torch tensor (through ``.tolist()``)."""
-    if hasattr(value, "tolist"):  # numpy arrays and torch tensors, without importing torch
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a list, a numpy array or a tensor, "
-                        f"got {type(value).__name__}")
-    return list(value)
-
-
-def _checked(block_table: Any, seq_lens: Any,
-             block_size: Any) -> tuple[list[list[int]], list[int], int]:
-    """Validate the triangle and return (rows cut to the blocks in use, seq_lens, block_size).
-
-    Row ``s`` of the table needs ``cdiv(seq_lens[s], block_size)`` entries; anything after that
-    (padding, stale ids) is ignored, as the kernels ignore it. Extra rows are ignored too, so a
-    whole ``max_num_reqs``-row table can be passed with the lengths of its first rows.
-    """
-    if not is_int(block_size) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    lens = _as_list(seq_lens, "seq_lens")
-    for s, length in enumerate(lens):
-        if not is_int(length) or length < 0:
-            raise ValueError(f"seq_lens[{s}] must be an int >= 0, got {length!r}")
-    table = _as_list(block_table, "block_table")
-    if len(table) < len(lens):
-        raise ValueError(f"block_table has {len(table)} rows but seq_lens has {len(lens)} "
-                         "sequences; expected one row per sequence")
-
-    rows = []
-    for s, length in enumerate(lens):
-        row = _as_list(table[s], f"block_table[{s}]")
-        needed = cdiv(length, block_size)
-        if len(row) < needed:
-            raise ValueError(f"block_table[{s}] has {len(row)} entries, but seq_lens[{s}]="
-                             f"{length} needs {needed} blocks of block_size={block_size}")
-        for j, block_id in enumerate(row[:needed]):
-            if not is_int(block_id) or block_id < 0:
-                raise ValueError(f"block_table[{s}][{j}] must be a block id >= 0, "
-                                 f"got {block_id!r}")
-        rows.append([int(b) for b in row[:needed]])
-    return rows, [int(n) for n in lens], int(block_size)
-
+__all__ = ["draw_block_table", "draw_slot_mapping", "slot_mapping"]
 
 # --------------------------------------------------------------------------------------------
-# 2. The slot mapping
-# --------------------------------------------------------------------------------------------
-
-def slot_mapping(block_table: Any, seq_lens: Any, block_size: int) -> list[int]:
-    """The slot of every token of every sequence, sequence after sequence, in token order.
-
-    >>> slot_mapping([[3, 0], [1]], [6, 2], 4)
-    [12, 13, 14, 15, 0, 1, 4, 5]
-    """
-    rows, lens, block_size = _checked(block_table, seq_lens, block_size)
-    return [rows[s][t // block_size] * block_size + t % block_size
-            for s, length in enumerate(lens) for t in range(length)]
-
-
-# --------------------------------------------------------------------------------------------
-# 3. Drawing the block table
+# 1. Drawing the block table
 # --------------------------------------------------------------------------------------------
 
 _BLOCK_W = 3.0    # width of one block box, whatever the block size
@@ -118,7 +57,7 @@ def draw_block_table(block_table: Any, seq_lens: Any, block_size: int,
     than one sequence (a shared prefix) is hatched. ``num_blocks`` is the pool size (default:
     the largest id in use plus one).
     """
-    rows, lens, block_size = _checked(block_table, seq_lens, block_size)
+    rows, lens, block_size = check_block_table(block_table, seq_lens, block_size)
     used_ids = [b for row in rows for b in row]
     if num_blocks is None:
         num_blocks = max(used_ids, default=-1) + 1
@@ -198,7 +137,7 @@ def draw_block_table(block_table: Any, seq_lens: Any, block_size: int,
 
 
 # --------------------------------------------------------------------------------------------
-# 4. Drawing the slot mapping
+# 2. Drawing the slot mapping
 # --------------------------------------------------------------------------------------------
 
 _GROUP_GAP = 0.45  # space between two blocks' worth of tokens
@@ -212,10 +151,10 @@ def draw_slot_mapping(block_table: Any, seq_lens: Any, block_size: int, ax: Any 
     group, so the formula in the title can be checked cell by cell. ``seqs`` picks which
     sequences to draw (default: all); ``max_tokens`` draws only the first tokens of each.
     """
-    rows, lens, block_size = _checked(block_table, seq_lens, block_size)
+    rows, lens, block_size = check_block_table(block_table, seq_lens, block_size)
     if seqs is None:
         seqs = list(range(len(lens)))
-    seqs = _as_list(seqs, "seqs")
+    seqs = as_list(seqs, "seqs")
     for s in seqs:
         if not is_int(s) or not 0 <= s < len(lens):
             raise ValueError(f"seqs must hold sequence indices in 0..{len(lens) - 1}, got {s!r}")

@@ -1,4 +1,4 @@
-"""Our CUDA kernels for vLLM's cache and attention ops (spec §5), built on first use.
+"""Our CUDA kernels for vLLM's cache and attention ops, built on first use.
 
 The sources are in ``csrc/``, written to be read:
 
@@ -12,11 +12,14 @@ The sources are in ``csrc/``, written to be read:
 The first call builds the extension with ``torch.utils.cpp_extension.load`` for the GPUs of this
 machine (about a minute), which then stays cached in ``~/.cache/torch_extensions``. Each function
 here has the signature of its namesake in ``paged_attention.kernels.reference``, checks its
-arguments with the same checks (``ValueError``/``TypeError`` before anything runs), adds what the
-kernels need (CUDA tensors, contiguous caches, the compiled head and block sizes) and launches.
+arguments with the same checks (``kernels.args``: ``ValueError``/``TypeError`` before anything
+runs), adds what the kernels need (contiguous caches) and launches. What they cannot run (CPU
+tensors, fp8 attention, a head or block size not compiled, a context longer than v1's shared
+memory holds) raises ``KernelUnavailable``.
 
 Importing this module never fails. Without a CUDA device every kernel raises
-``CudaUnavailableError`` saying so and naming the Triton and reference versions.
+``CudaUnavailableError`` (a ``KernelUnavailable``) saying so and naming the Triton and reference
+versions.
 """
 from __future__ import annotations
 
@@ -27,13 +30,12 @@ from typing import Any
 
 import torch
 
-from paged_attention.kernels import args
-from paged_attention.kernels import reference as ref
+from paged_attention.kernels import KernelUnavailable, args
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "cache_kernels.cu", "attention_launch.cu",
            *(f"attention_{t}_g{g}.cu" for t in ("float", "half", "bfloat16") for g in (1, 4)))
-# What the attention kernels are compiled for (spec §5.6).
+# What the attention kernels are compiled for: the head and block sizes vLLM compiles its own for.
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 NUM_WARPS = 4            # threads per attention thread block: 128
@@ -41,7 +43,7 @@ NUM_WARPS = 4            # threads per attention thread block: 128
 _KV_CODES = {"auto": 0, "float16": 0, "bfloat16": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_ds_mla": 1, "fp8_e5m2": 2}
 
 
-class CudaUnavailableError(RuntimeError):
+class CudaUnavailableError(KernelUnavailable):
     """The CUDA kernels cannot run on this machine (no GPU, or no CUDA toolkit to build them)."""
 
 
@@ -87,13 +89,14 @@ def available() -> tuple[bool, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# What the kernels need beyond the reference's checks
+# What the kernels need beyond the shared checks
 # --------------------------------------------------------------------------------------------
 
 def _on_cuda(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.device.type != "cuda":
-            raise ValueError(f"{name} must be on a CUDA device for the CUDA kernels, got {t.device}")
+            raise KernelUnavailable(f"{name} is on {t.device}: the CUDA kernels run on tensors on a CUDA device; "
+                                    f"use paged_attention.kernels.reference or .triton for these")
 
 
 _WHY = "the CUDA kernels"
@@ -114,7 +117,7 @@ def _scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------
-# Cache writes (spec §5.1, §5.2)
+# Cache writes
 # --------------------------------------------------------------------------------------------
 
 def reshape_and_cache(
@@ -129,8 +132,8 @@ def reshape_and_cache(
 ) -> None:
     """Scatter new tokens' keys and values into the v0-layout caches (``csrc/cache_kernels.cu``)."""
     ext = _extension()
-    ref.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                k_scale, v_scale)
+    args.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                 k_scale, v_scale)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
     args.rows_of_heads(_WHY, key=key, value=value)
     _contiguous(key_cache=key_cache, value_cache=value_cache)
@@ -150,8 +153,8 @@ def reshape_and_cache_flash(
 ) -> None:
     """Scatter new tokens into flash-layout caches, NHD or HND, scales per tensor or per head."""
     ext = _extension()
-    ref.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                      k_scale, v_scale)
+    args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                       k_scale, v_scale)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
     args.unit_last_stride(key=key, value=value)
     # The kernel takes the token and head strides of key and value, the block, token and head
@@ -162,7 +165,7 @@ def reshape_and_cache_flash(
 
 
 # --------------------------------------------------------------------------------------------
-# Block copies (spec §5.3, §5.4)
+# Block copies
 # --------------------------------------------------------------------------------------------
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
@@ -173,7 +176,7 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     block manager's copy-on-write pairs never do it). ``block_mapping`` may be on any device.
     """
     ext = _extension()
-    if not ref.check_copy_blocks(key_caches, value_caches, block_mapping):
+    if not args.check_copy_blocks(key_caches, value_caches, block_mapping):
         return
     caches = [*key_caches, *value_caches]
     device = caches[0].device
@@ -211,17 +214,18 @@ def swap_blocks(
     run asynchronously on the current stream; with pageable memory they still work, synchronously.
     """
     ext = _extension()
-    nbytes, block_mapping = ref.check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
+    nbytes, block_mapping = args.check_swap_blocks(src, dst, block_size_in_bytes, block_mapping)
     if src.device.type == "cpu" and dst.device.type == "cpu":
-        raise ValueError("Invalid device combination: swap_blocks copies to or from a GPU; for CPU-to-CPU "
-                         "use paged_attention.kernels.reference.swap_blocks")
+        raise KernelUnavailable("Invalid device combination: swap_blocks copies to or from a GPU; for CPU-to-CPU "
+                                "use paged_attention.kernels.reference.swap_blocks")
     if src.is_cuda and dst.is_cuda and src.device != dst.device:
-        raise ValueError(f"src and dst must be on the same GPU, got {src.device} and {dst.device}")
+        raise KernelUnavailable(f"src and dst are on {src.device} and {dst.device}: the CUDA swap_blocks copies "
+                                f"within one GPU or between it and the CPU")
     ext.swap_blocks(src, dst, nbytes, block_mapping.contiguous())
 
 
 # --------------------------------------------------------------------------------------------
-# Paged attention v1 / v2 (spec §5.6)
+# Paged attention v1 / v2
 # --------------------------------------------------------------------------------------------
 
 def v1_max_seq_len(head_size: int, device: torch.device | None = None) -> int:
@@ -235,20 +239,22 @@ def v1_max_seq_len(head_size: int, device: torch.device | None = None) -> int:
 def _check_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
                      check_ids):
-    """The reference's checks, then what the kernels need. Strides: the query's token and head
+    """The shared checks, then what the kernels need. Strides: the query's token and head
     strides go to the kernel; the caches (indexed by shape) and ``out`` (written) must be
     contiguous; the tables, lengths and slopes are passed as contiguous copies where they are not."""
-    ref.check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
-                           block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
-                           blocksparse_vert_stride, scale=scale, check_ids=check_ids)
+    args.check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_tables, seq_lens,
+                            block_size, max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale,
+                            blocksparse_vert_stride, scale=scale, check_ids=check_ids)
     if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the CUDA attention kernels read unquantized "
-                         f"caches only; paged_attention.kernels.reference handles fp8")
+        raise KernelUnavailable(f"kv_cache_dtype={kv_cache_dtype!r}: the CUDA attention kernels read unquantized "
+                                f"caches only; paged_attention.kernels.reference handles fp8")
     head_size = query.size(2)
     if head_size not in HEAD_SIZES:
-        raise ValueError(f"Unsupported head size: {head_size}; the CUDA kernels are compiled for {HEAD_SIZES}")
+        raise KernelUnavailable(f"Unsupported head size: {head_size}; the CUDA kernels are compiled for "
+                                f"{HEAD_SIZES}")
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"Unsupported block size: {block_size}; the CUDA kernels are compiled for {BLOCK_SIZES}")
+        raise KernelUnavailable(f"Unsupported block size: {block_size}; the CUDA kernels are compiled for "
+                                f"{BLOCK_SIZES}")
     _on_cuda(query=query)
     args.unit_last_stride(query=query)
     _contiguous(out=out, key_cache=key_cache, value_cache=value_cache)
@@ -290,8 +296,9 @@ def paged_attention_v1(
                      check_ids)
     limit = v1_max_seq_len(query.size(2), query.device)
     if max_seq_len > limit:
-        raise ValueError(f"max_seq_len={max_seq_len} is more than paged_attention_v1 can hold in shared memory "
-                         f"on this GPU ({limit} tokens for head size {query.size(2)}); use paged_attention_v2")
+        raise KernelUnavailable(f"max_seq_len={max_seq_len} is more than paged_attention_v1 can hold in shared "
+                                f"memory on this GPU ({limit} tokens for head size {query.size(2)}); use "
+                                f"paged_attention_v2")
     ext.paged_attention(out, None, None, None, query, key_cache, value_cache, num_kv_heads, float(scale),
                         _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len),
                         None if alibi_slopes is None else alibi_slopes.contiguous())
@@ -333,7 +340,7 @@ def paged_attention_v2(
     _check_attention(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                      max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, blocksparse_vert_stride,
                      check_ids)
-    ref.check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
+    args.check_v2_buffers(exp_sums, max_logits, tmp_out, query, max_seq_len)
     _contiguous(exp_sums=exp_sums, max_logits=max_logits, tmp_out=tmp_out)
     ext.paged_attention(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads,
                         float(scale), _int32(block_tables), _int32(seq_lens), block_size, int(max_seq_len),

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_attention.kernels import args
-from paged_attention.kernels.reference import check_reshape_and_cache_flash
+from paged_attention.kernels import KernelUnavailable, args
 
 
 @triton.jit
@@ -63,16 +62,18 @@ def reshape_and_cache_flash(
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_heads, head_size]`` into flash-layout caches.
 
-    Same arguments and semantics as vLLM's op (spec §5.2) for unquantized caches: only
-    ``slot_mapping.size(0)`` tokens are written, negative slots are skipped. fp8 caches are
-    refused (use ``kernels.reference.reshape_and_cache_flash``, or the CUDA kernels).
+    Same arguments and semantics as vLLM's op (``csrc/cache_kernels.cu``) for unquantized caches:
+    only ``slot_mapping.size(0)`` tokens are written, negative slots are skipped. fp8 caches, and
+    bf16 in the interpreter, raise ``KernelUnavailable`` (use ``kernels.reference``, or the CUDA
+    kernels).
     """
-    check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                  k_scale, v_scale)
+    args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                       k_scale, v_scale)
     if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
-        raise ValueError(f"the Triton reshape_and_cache_flash writes unquantized caches only "
-                         f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or kernels.cuda")
-    args.tensor("key", key, dtypes=triton_float_dtypes(key.device))
+        raise KernelUnavailable(f"the Triton reshape_and_cache_flash writes unquantized caches only "
+                                f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or "
+                                f"kernels.cuda")
+    check_triton_dtype(key)
     args.unit_last_stride(key=key, value=value)
     num_blocks, block_size, num_heads, head_size = key_cache.shape
 
@@ -82,18 +83,21 @@ def reshape_and_cache_flash(
     tokens_per_program = 1 if key.is_cuda else 16   # the interpreter pays per program: batch tokens
     grid = (triton.cdiv(num_tokens, tokens_per_program),)
     _reshape_and_cache_flash_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping, num_tokens, slot_mapping.stride(0),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping, num_tokens=num_tokens, slot_stride=slot_mapping.stride(0),
+        key_stride_t=key.stride(0), key_stride_h=key.stride(1),
+        value_stride_t=value.stride(0), value_stride_h=value.stride(1),
+        kc_stride_blk=key_cache.stride(0), kc_stride_tok=key_cache.stride(1), kc_stride_head=key_cache.stride(2),
+        vc_stride_blk=value_cache.stride(0), vc_stride_tok=value_cache.stride(1), vc_stride_head=value_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
         TOKENS_PER_PROGRAM=tokens_per_program,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_size),
     )
 
 
-def triton_float_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
-    """Triton's interpreter has no bf16 arithmetic; compiled Triton has."""
-    if device.type == "cuda":
-        return args.FLOAT_DTYPES
-    return (torch.float32, torch.float16)
+def check_triton_dtype(t: torch.Tensor) -> None:
+    """Triton's interpreter has no bf16 arithmetic (compiled Triton has): there, bf16 input is
+    something this implementation cannot run."""
+    if t.dtype == torch.bfloat16 and t.device.type != "cuda":
+        raise KernelUnavailable("Triton's interpreter (on a CPU) has no bfloat16 arithmetic; use float32 or "
+                                "float16 here, or paged_attention.kernels.reference")

@@ -27,15 +27,13 @@ the GPU's native instruction; the softmax is unchanged by the change of base.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from paged_attention.kernels.reference import check_flash_decode_args
-from paged_attention.kernels.triton.cache import triton_float_dtypes
 from paged_attention.kernels import args
+from paged_attention.kernels.triton.cache import check_triton_dtype
 from paged_attention.utils import cdiv
 
 LOG2E = 1.4426950408889634
@@ -62,7 +60,6 @@ def _paged_decode_kernel(
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
-    KV_EVICT: tl.constexpr,                     # L2 eviction hint for the K/V loads ("" = none)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,9 +103,9 @@ def _paged_decode_kernel(
             row = row.to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)         # [TILE_N, BLOCK_D]
+                    mask=kv_mask, other=0.0)                  # [TILE_N, BLOCK_D]
         v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+                    mask=kv_mask, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_G, TILE_N]
         if USE_ALIBI:
@@ -200,20 +197,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -> tuple[int, int, int]:
     """``(TILE_N, num_warps, num_stages)``: tokens per loop step and launch shape.
 
-    On a GPU: 64 tokens (four 16-token blocks) a step, four warps, loads software-pipelined
-    three steps deep; two when the context is split, since each program then runs a short loop
-    and more programs fit on a multiprocessor. These won a sweep on an H200
-    (``benchmarks/bench_decode.py --sweep``) by a few percent over their neighbours.
-
-    Why no L2 hint (``kv_evict``) by default, though every key and value is read once and
-    "evict first" would keep them from pushing out what other kernels left in L2 (H200, Triton
-    3.6): the pipeliner turns the loads into cp.async copies and drops the hint, so it only
-    reaches the hardware unpipelined (``num_stages=1``). Whether that trade pays depends on L2:
-    after a flush that writes (``do_bench``'s, leaving ~50 MB of dirty lines that normal loads
-    must write back as they evict them), the unpipelined hinted kernel wins on small reads
-    (64 x 512: 0.70-0.72 of a copy against 0.67-0.68); with clean lines in L2 (a read flush, or a
-    decode step whose earlier kernels mostly read weights) it loses 5-13% everywhere (64 x 512:
-    0.72 against 0.81-0.83). ``bench.l2_hint_table`` measures both sides.
+    On a GPU: 64 tokens (four 16-token blocks) a step, four warps, and loads software-pipelined
+    three steps deep (two when the context is split: each program then runs a short loop, and
+    more programs fit on a multiprocessor), so that the next tiles' keys and values are already
+    on their way while one tile is computed: a decode step is bound by memory, and this keeps it
+    streaming. ``benchmarks/bench_decode.py --sweep`` compares these with their neighbours.
     """
     if device.type != "cuda":
         # Interpreter: few, large steps (its cost is per operation, not per byte).
@@ -235,7 +223,6 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     check_ids: bool = True,
     launch: tuple[int, int, int] | None = None,
-    kv_evict: str = "",
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -253,27 +240,18 @@ def paged_attention_decode(
     the index checks, which copy the tables to the host: only for tables known good; the caller
     then promises that ``max_seq_len`` is an upper bound (with ``check_ids=True`` a smaller one
     is refused). ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default:
-    ``choose_launch``), for tuning. ``kv_evict="evict_first"`` asks L2 to drop the K/V lines
-    first (each is read once); it only reaches the hardware with ``num_stages == 1`` (see
-    ``choose_launch`` for when that pays).
+    ``choose_launch``), for tuning.
     """
-    longest = check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
-                                       alibi_slopes, check_ids=check_ids, scale=scale, out=out)
+    max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                                               check_ids=check_ids, scale=scale, out=out, max_seq_len=max_seq_len,
+                                               num_splits=num_splits)
     scale = float(scale)
-    args.tensor("query", query, dtypes=triton_float_dtypes(query.device))
+    check_triton_dtype(query)
     num_seqs, num_heads, head_size = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
-    if max_seq_len is not None:
-        args.max_seq_len(max_seq_len, longest)
-    if num_splits is not None:
-        args.positive_int("num_splits", num_splits)
-    if kv_evict not in ("", "evict_first", "evict_last"):
-        raise ValueError(f"kv_evict must be '', 'evict_first' or 'evict_last', got {kv_evict!r}")
     if num_seqs == 0:
         return
-    if max_seq_len is None:
-        max_seq_len = longest if longest >= 0 else int(seq_lens.max())
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
 
@@ -295,26 +273,27 @@ def paged_attention_decode(
     use_alibi = alibi_slopes is not None
     fp32 = query.dtype == torch.float32
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_out, part_m, part_l,
-        query, key_cache, value_cache, block_tables, seq_lens,
-        alibi_slopes if use_alibi else query,
-        scale * LOG2E, tokens_per_split, num_splits,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), block_tables.stride(1),
-        seq_lens.stride(0), alibi_slopes.stride(0) if use_alibi else 0,
-        out.stride(0), out.stride(1),
+        out_ptr=out, part_out_ptr=part_out, part_m_ptr=part_m, part_l_ptr=part_l,
+        q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache,
+        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, alibi_ptr=alibi_slopes if use_alibi else query,
+        qk_scale=scale * LOG2E, tokens_per_split=tokens_per_split, num_splits=num_splits,
+        q_stride_s=query.stride(0), q_stride_h=query.stride(1),
+        k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
+        v_stride_blk=value_cache.stride(0), v_stride_tok=value_cache.stride(1), v_stride_head=value_cache.stride(2),
+        bt_stride_s=block_tables.stride(0), bt_stride_b=block_tables.stride(1),
+        sl_stride=seq_lens.stride(0), alibi_stride=alibi_slopes.stride(0) if use_alibi else 0,
+        o_stride_s=out.stride(0), o_stride_h=out.stride(1),
         QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g,
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
         BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=num_splits > 1,
         USE_ALIBI=use_alibi, DOT_PRECISION="ieee" if fp32 else "tf32",
-        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31, KV_EVICT=kv_evict,
+        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_out, part_m, part_l, out.stride(0), out.stride(1), num_splits,
+            out_ptr=out, part_out_ptr=part_out, part_m_ptr=part_m, part_l_ptr=part_l,
+            o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_splits,
             HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
             BLOCK_S=triton.next_power_of_2(num_splits),
         )

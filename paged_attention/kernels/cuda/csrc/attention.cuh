@@ -1,4 +1,5 @@
-// Paged attention v1 and v2 for one decode step over vLLM's v0 cache layout (spec §5.6).
+// Paged attention v1 and v2 for one decode step over vLLM's v0 cache layout (vLLM's
+// csrc/attention/attention_kernels.cuh does the same work; this is written to be read).
 //
 // Work split. One thread block of 128 threads (4 warps) computes one query head of one sequence
 // (v1), or of one 512-token partition of it (v2): grid = (num_heads, num_seqs, num_partitions).
@@ -336,7 +337,7 @@ void launch_paged_attention(const AttentionArgs& a) {
   }
 }
 
-// The compiled (head size, block size) pairs: spec §5.6's lists.
+// The compiled (head size, block size) pairs: the sizes vLLM compiles its own kernels for.
 template <typename scalar_t, int GROUP, int HEAD_SIZE>
 void dispatch_block_size(const AttentionArgs& a) {
   switch (a.block_size) {

@@ -1,4 +1,4 @@
-// Cache writes and block copies (spec §5.1-§5.4).
+// Cache writes and block copies: vLLM's csrc/cache_kernels.cu ops, with the same signatures.
 //
 // reshape_and_cache        one thread block per new token: scatter its keys and values into
 //                          vLLM's v0 layout (key [N, H, D/x, B, x], value [N, H, D, B]).
@@ -19,7 +19,8 @@ namespace paged_attention {
 // ------------------------------------------------------------------------------------------------
 // Thread i of token t's block handles element i of the flattened [num_heads, head_size] row,
 // in a stride loop so that every element is written however large num_heads * head_size is
-// (the Oct-2025 upstream kernel had no such loop: spec §7 pitfall 28).
+// (vLLM's kernel of October 2025 launched one thread per element with no such loop, so rows
+// longer than a thread block were only partly written).
 template <typename scalar_t, KvDtype KV>
 __global__ void reshape_and_cache_kernel(
     const scalar_t* __restrict__ key,             // [num_tokens, num_heads, head_size], row stride key_stride

@@ -22,7 +22,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(v);
 }
 
-// ---- What a cache element holds (spec §5: kv_cache_dtype) ---------------------------------------
+// ---- What a cache element holds (vLLM's kv_cache_dtype strings) ---------------------------------
 // kAuto: the input's own type, copied bit for bit. The fp8 kinds store one byte per element,
 // q = saturate(x / scale) rounded to nearest even, and read back as float(q) * scale.
 enum class KvDtype : int { kAuto = 0, kFp8E4M3 = 1, kFp8E5M2 = 2 };
