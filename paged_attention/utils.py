@@ -44,6 +44,17 @@ def chunk_list(lst: Sequence[T], chunk_size: int) -> Iterator[Sequence[T]]:
         yield lst[i:i + chunk_size]
 
 
+# ---- Errors where vLLM asserts -------------------------------------------------------------------
+class VllmAssertion(AssertionError):
+    """The base every error of a check that vLLM makes with ``assert`` also has.
+
+    vLLM checks some invariants with ``assert`` (a block freed twice, two specs of one KV-cache
+    group that differ), and its tests expect ``AssertionError`` there. Ours raise a typed error
+    that says what went wrong (a ValueError, a KeyError, a TypeError) and also derives from this
+    class, so code written against vLLM still catches it.
+    """
+
+
 # ---- Argument checks shared by the block tables ---------------------------------------------------
 def is_int(x: object) -> bool:
     """A plain or numpy integer, but not a bool (``True`` is an int to Python)."""
@@ -57,6 +68,13 @@ def check_int(name: str, value: object, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def check_int_list(name: str, values: object, minimum: int) -> list[int]:
+    """``values`` (a list, tuple, range or 1-d numpy array) as a list of ints >= ``minimum``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise TypeError(f"{name} must be a list of ints, got {values!r}")
+    return [check_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(values)]
 
 
 def check_count(name: str, value: object, maximum: int, max_name: str) -> int:

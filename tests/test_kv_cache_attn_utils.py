@@ -1,4 +1,4 @@
-"""Allocation, reshape, binding, budgets, KV sharing and metadata (spec §4.1, §4.2, §4.4)."""
+"""Allocation, reshape, binding, budgets, KV sharing and metadata."""
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ def model(n=2, heads=8, head_size=128, backend=FlashAttentionBackend, per_layer=
             for i in range(n)}
 
 
-# ---- §4.4 worked example ------------------------------------------------------------------------
+# ---- a worked example: a model's layers to a budget ------------------------------------------------------------------------
 def test_worked_example_config():
     specs = get_kv_cache_spec(model(), 16, torch.bfloat16)
     assert list(specs) == ["layer0", "layer1"]

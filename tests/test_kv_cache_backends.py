@@ -1,4 +1,4 @@
-"""Backend KV-cache shapes and stride orders (spec §4.3)."""
+"""Backend KV-cache shapes and stride orders, as vLLM's attention backends give them."""
 import pytest
 
 from paged_attention.kv_cache.backends import (

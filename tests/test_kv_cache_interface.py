@@ -1,4 +1,4 @@
-"""KV-cache specs (spec §4.1) and the page size of the worked example (§4.4)."""
+"""KV-cache specs, and the page size of a worked example."""
 import dataclasses
 
 import pytest

@@ -1,4 +1,4 @@
-"""Spec §1.7-1.8, §1.10, §1.12: the legacy block manager and the sequences it reads."""
+"""The legacy block manager (admission, appends, forks, swaps, prefix caching) and the sequences it reads."""
 import pytest
 
 from paged_attention.legacy.block_manager import AllocStatus, SelfAttnBlockSpaceManager

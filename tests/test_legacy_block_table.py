@@ -1,4 +1,4 @@
-"""Spec §1.5, §1.6, §1.9-1.11: the CPU/GPU allocator, the null block and the block table."""
+"""The CPU/GPU allocator, the null block and the block table (sliding window included)."""
 import pytest
 
 from paged_attention.legacy.block_table import BlockTable

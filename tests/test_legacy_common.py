@@ -1,4 +1,4 @@
-"""Spec §1.1–1.2: the shared types and the pieces every legacy allocator is built from."""
+"""The shared types and the pieces every legacy allocator is built from."""
 import pytest
 
 from paged_attention.legacy.common import (BlockList, BlockPool, BlockStateError, CacheMetricData,

@@ -1,4 +1,4 @@
-"""Spec §1.4.4: the LRU evictor's order, stale entries, and its errors."""
+"""The LRU evictor's order, stale entries, and its errors."""
 import pytest
 
 from paged_attention.legacy.evictor import EvictionPolicy, LRUEvictor, make_evictor

@@ -1,4 +1,5 @@
-"""paged_attention.legacy.fcfs: the FCFS scheduler over the legacy block manager, and its workload.
+"""paged_attention.legacy.scheduler, .workload and .records: the FCFS scheduler over the legacy block
+manager, the synthetic workload that drives it, and what each step records.
 
 The strongest check is a symbolic KV cache: every slot holds a name for the prefix whose K/V it
 holds, the step records' swap and copy pairs are applied in the engine's order, new tokens are
@@ -11,11 +12,12 @@ import random
 import pytest
 
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
-from paged_attention.legacy.fcfs import (
+from paged_attention.legacy.records import (
     ABORTED, ADMITTED, COPY_ON_WRITE, FINISHED, IGNORED, RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED,
-    FcfsScheduler, Request, synthetic_workload,
 )
-from paged_attention.legacy.sequence import SequenceStatus
+from paged_attention.legacy.scheduler import FcfsScheduler
+from paged_attention.legacy.workload import Request, SimulatedEngine, synthetic_workload
+from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device
 
 
@@ -75,21 +77,21 @@ class SymbolicCache:
     def check(self, sched):
         """Every running sequence reads its own prefixes back through its table."""
         tables = sched.block_manager.block_tables
-        for rid in sched.running:
+        for rid in sched.scheduler.running:
             for seq in sched.groups[rid].get_seqs(SequenceStatus.RUNNING):
                 ids = tables[seq.seq_id].physical_block_ids
                 for p, key in enumerate(prefix_keys(seq.get_token_ids())):
                     assert self.gpu[ids[p // self.block_size]][p % self.block_size] == key, \
-                        (sched.now, sched.seq_name(seq), p)
+                        (sched.scheduler.now, sched.seq_name(seq), p)
 
 
 def run_checked(mgr, requests, **kwargs):
-    sched = FcfsScheduler(mgr, requests, **kwargs)
+    sched = SimulatedEngine(mgr, requests, **kwargs)
     cache = SymbolicCache(mgr.num_total_gpu_blocks, mgr.num_total_cpu_blocks, mgr.block_size)
     while not sched.done:
         record = sched.schedule()
         for device, owners in ((Device.GPU, record.gpu_owners), (Device.CPU, record.cpu_owners)):
-            allocator = mgr.block_allocator._allocators[device]
+            allocator = mgr.block_allocator.allocators[device]
             ids = sorted(allocator.all_block_ids)            # device-relative id -> absolute id
             assert {i: allocator.refcounter.get(ids[i]) for i in owners} == \
                 {i: owner.num_holders for i, owner in owners.items()}
@@ -179,16 +181,16 @@ def test_synthetic_workload_rejects_bad_input():
 def test_scheduler_rejects_bad_input():
     mgr, requests = demo()
     with pytest.raises(TypeError, match="SelfAttnBlockSpaceManager"):
-        FcfsScheduler(object(), requests)
+        SimulatedEngine(object(), requests)
     with pytest.raises(TypeError, match="Request"):
-        FcfsScheduler(mgr, [("r0", 0)])
+        SimulatedEngine(mgr, [("r0", 0)])
     with pytest.raises(ValueError, match="unique"):
-        FcfsScheduler(mgr, [requests[0], requests[0]])
+        SimulatedEngine(mgr, [requests[0], requests[0]])
     with pytest.raises(ValueError, match="preemption_mode"):
-        FcfsScheduler(mgr, requests, preemption_mode="drop")
+        SimulatedEngine(mgr, requests, preemption_mode="drop")
     with pytest.raises(ValueError, match="sliding"):
-        FcfsScheduler(SelfAttnBlockSpaceManager(4, 8, 8, sliding_window=8), requests)
-    sched = FcfsScheduler(mgr, requests)
+        SimulatedEngine(SelfAttnBlockSpaceManager(4, 8, 8, sliding_window=8), requests)
+    sched = SimulatedEngine(mgr, requests)
     record = sched.schedule()
     with pytest.raises(RuntimeError, match="twice"):
         sched.schedule()
@@ -196,7 +198,7 @@ def test_scheduler_rejects_bad_input():
     with pytest.raises(ValueError, match="update"):
         sched.update(record)                                  # the same record again
     with pytest.raises(ValueError, match="already holds"):
-        FcfsScheduler(mgr, requests)                          # this manager is in use
+        SimulatedEngine(mgr, requests)                          # this manager is in use
 
 
 def test_demo_run_keeps_the_data_path_consistent_and_frees_everything():
@@ -208,7 +210,7 @@ def test_demo_run_keeps_the_data_path_consistent_and_frees_everything():
     assert not kinds & {ABORTED, IGNORED}
     assert cache.num_returned == sum(len(r.blocks_to_swap_in) for r in sched.history) > 0
     assert mgr.get_num_free_gpu_blocks() == 32 and mgr.get_num_free_cpu_blocks() == 16
-    assert not mgr.block_tables and sched.done and sched.running == sched.swapped == sched.waiting == []
+    assert not mgr.block_tables and sched.done and sched.scheduler.running == sched.scheduler.swapped == sched.scheduler.waiting == []
     for request in requests:              # every sample generated exactly its output length
         group = sched.groups[request.request_id]
         assert [s.get_len() - s.get_prompt_len() for s in group.get_seqs()] == list(request.output_lens)
@@ -280,7 +282,7 @@ def test_events_agree_with_the_managers_counts():
 def test_the_samples_of_one_prompt_share_it_until_they_diverge():
     prompt = tuple(range(1, 11))                              # 10 tokens: 2 full blocks and 2 tokens
     mgr = SelfAttnBlockSpaceManager(4, 32, 0, watermark=0.0)
-    sched = FcfsScheduler(mgr, [Request("r0", 0, prompt, (6, 6, 6))])
+    sched = SimulatedEngine(mgr, [Request("r0", 0, prompt, (6, 6, 6))])
     first = sched.step()
     assert first.kinds() == [ADMITTED] and list(first.gpu_owners) == [0, 1, 2]
     assert all(owner.num_holders == 3 and owner.shared for owner in first.gpu_owners.values())
@@ -353,3 +355,47 @@ def test_random_runs_keep_the_data_path_consistent(trial):
     assert not mgr.block_tables
     for record in sched.history:
         assert len(record.gpu_owners) == num_gpu - record.num_free_gpu_blocks
+
+
+# --- the scheduler without the simulation: what a model runner gets and gives back ---------------
+
+def test_the_scheduler_tells_the_model_runner_what_to_run_and_knows_no_model():
+    # An engine of its own: two requests, a fixed token per step, a stop after three tokens.
+    mgr = SelfAttnBlockSpaceManager(4, 16, 0, watermark=0.0)
+    sched = FcfsScheduler(mgr)
+    a = Sequence(0, [1, 2, 3, 4, 5], 4)
+    b1, b2 = Sequence(1, [6, 7, 8], 4), Sequence(2, [6, 7, 8], 4)
+    sched.add_seq_group(SequenceGroup("a", [a]))
+    sched.add_seq_group(SequenceGroup("b", [b1, b2]))
+    first = sched.schedule()
+    assert [(s.seq_group.request_id, s.token_chunk_size, s.is_prefill) for s in first.scheduled_seq_groups] == \
+        [("a", 5, True), ("b", 3, True)]
+    assert first.num_batched_tokens == 5 + 2 * 3
+    assert sched.update(first, {0: 100, 1: 101, 2: 102}) == []
+    assert a.get_token_ids()[-1] == 100 and a.data.get_num_computed_tokens() == 5
+    second = sched.schedule()
+    assert [(s.seq_group.request_id, s.token_chunk_size, s.is_prefill) for s in second.scheduled_seq_groups] == \
+        [("a", 1, False), ("b", 1, False)]
+    assert second.num_batched_tokens == 3 and second.blocks_to_copy      # b's samples diverge: a copy on write
+    finished = sched.update(second, {0: 200, 1: 201, 2: 202}, finished_seq_ids={1})
+    assert finished == [b1] and b1.status == SequenceStatus.FINISHED_LENGTH_CAPPED and 1 not in mgr.block_tables
+    assert sched.has_unfinished_seqs()
+    third = sched.schedule()
+    assert sum(len(s.seq_group.get_seqs(SequenceStatus.RUNNING)) for s in third.scheduled_seq_groups) == 2
+    sched.update(third, {}, finished_seq_ids={0, 2})
+    assert not sched.has_unfinished_seqs() and not mgr.block_tables and sched.done_ids == ["a", "b"]
+
+
+def test_add_seq_group_rejects_bad_input():
+    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 8, 0))
+    with pytest.raises(TypeError, match="SequenceGroup"):
+        sched.add_seq_group(Sequence(0, [1], 4))
+    sched.add_seq_group(SequenceGroup("a", [Sequence(0, [1], 4)]))
+    with pytest.raises(ValueError, match="already added"):
+        sched.add_seq_group(SequenceGroup("a", [Sequence(1, [1], 4)]))
+    with pytest.raises(ValueError, match="seq_id"):
+        sched.add_seq_group(SequenceGroup("b", [Sequence(0, [1], 4)]))
+    running = Sequence(2, [1], 4)
+    running.status = SequenceStatus.RUNNING
+    with pytest.raises(ValueError, match="WAITING"):
+        sched.add_seq_group(SequenceGroup("c", [running]))

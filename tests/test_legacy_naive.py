@@ -1,4 +1,4 @@
-"""Spec §1.3: the naive block allocator and block (LIFO ids, forks, copy on write, swaps)."""
+"""The naive block allocator and block (LIFO ids, forks, copy on write, swaps)."""
 import pytest
 
 from paged_attention.legacy.interfaces import BlockAllocator

@@ -1,4 +1,4 @@
-"""Spec §1.4: prefix-caching blocks and allocator, hashes, eviction, computed state, trackers."""
+"""Prefix-caching blocks and allocator, hashes, eviction, computed state, trackers."""
 import subprocess
 import sys
 from dataclasses import dataclass

@@ -383,7 +383,7 @@ def test_list_and_choice_checkers_read_answers_the_same_way():
             ov.bigger_blocks(bad)
         with pytest.raises(TypeError):
             mg.admission(bad, "NEVER")
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):                            # a word that is none of the choices
         ov.bigger_blocks("sideways")
     with pytest.raises(TypeError):
         mg.admission("MAYBE", "NEVER")

@@ -1,7 +1,7 @@
-"""paged_attention.sharing_sim: the memory that sharing blocks saves, measured on the block manager."""
+"""paged_attention.legacy.sharing_sim: the memory that sharing blocks saves, measured on the block manager."""
 import pytest
 
-from paged_attention.sharing_sim import PAPER_SAVINGS, SharingSavings, sharing_savings
+from paged_attention.legacy.sharing_sim import PAPER_SAVINGS, SharingSavings, sharing_savings
 
 SMALL = dict(num_requests=6, block_size=8, mean_prompt_len=20, mean_output_len=24, max_len=96)
 

@@ -1,8 +1,8 @@
-"""Spec §2.2-§2.6 and pitfalls 17-19: the V1 worker BlockTable and MultiGroupBlockTable.
+"""The V1 worker BlockTable and MultiGroupBlockTable (``vllm/v1/worker/block_table.py``).
 
-Each test uses a worked example of the spec (or of vLLM's own tests of this layer) and checks
-whole buffers where the spec says what every entry holds, so that stale columns, counts and the
-GPU side are covered too.
+Each test uses a worked example (many from vLLM's own tests of this layer) and checks whole
+buffers wherever vLLM's behaviour says what every entry holds, so that stale columns (which vLLM
+never clears), counts, the hybrid-block column count and the GPU side are covered too.
 """
 import inspect
 
@@ -37,7 +37,7 @@ def rows(bt, n=None):
     return bt.block_table.np[:n].tolist()
 
 
-# ---- Construction (§2.2) --------------------------------------------------------------------------
+# ---- Construction ------------------------------------------------------------------------------------
 def test_plain_table_attributes_and_buffers():
     bt = BlockTable(block_size=16, max_num_reqs=3, max_num_blocks_per_req=5, max_num_batched_tokens=40,
                     pin_memory=False, device=DEV, kernel_block_size=16, dcp_kv_cache_interleave_size=1)
@@ -55,14 +55,14 @@ def test_plain_table_attributes_and_buffers():
 
 
 def test_hybrid_table_is_kept_in_kernel_blocks():
-    """§2.5: 32-token manager blocks, 16-token kernel blocks (vLLM's hybrid-table test)."""
+    """Hybrid blocks: 32-token manager blocks, 16-token kernel blocks (vLLM's hybrid-table test)."""
     bt = BlockTable(block_size=32, max_num_reqs=10, max_num_blocks_per_req=20, max_num_batched_tokens=512,
-                    pin_memory=False, device=DEV, kernel_block_size=16, cp_kv_cache_interleave_size=8)
+                    pin_memory=False, device=DEV, kernel_block_size=16, dcp_kv_cache_interleave_size=8)
     assert bt.use_hybrid_blocks is True
     assert bt.block_size == 16 and bt.blocks_per_kv_block == 2
     assert bt.max_num_blocks_per_req == 40 and bt.block_table.np.shape == (10, 40)
     assert bt._kernel_block_arange.tolist() == [[0, 1]]
-    assert bt.cp_kv_cache_interleave_size == bt.dcp_kv_cache_interleave_size == 8
+    assert bt.dcp_kv_cache_interleave_size == 8
     expected = bt.map_to_kernel_blocks(np.array([0, 1, 2]), bt.blocks_per_kv_block, bt._kernel_block_arange)
     assert expected.tolist() == [0, 1, 2, 3, 4, 5]
     bt.append_row([0, 1, 2], 0)
@@ -77,12 +77,12 @@ def test_kernel_block_size_must_divide_the_block_size():
         make(block_size=16, kernel_block_size=32)
 
 
-def test_interleave_size_under_either_name():
+def test_interleave_size_by_position_keyword_or_default():
     assert make(interleave=2).dcp_kv_cache_interleave_size == 2
-    bt = BlockTable(4, 2, 2, 8, False, DEV, 4, cp_kv_cache_interleave_size=2)
+    bt = BlockTable(4, 2, 2, 8, False, DEV, 4, dcp_kv_cache_interleave_size=2)
     assert bt.dcp_kv_cache_interleave_size == 2
     assert BlockTable(4, 2, 2, 8, False, DEV, 4).dcp_kv_cache_interleave_size == 1
-    with pytest.raises(TypeError, match="given twice"):
+    with pytest.raises(TypeError):                    # vLLM's later name is not taken as a second name
         BlockTable(4, 2, 2, 8, False, DEV, 4, 2, cp_kv_cache_interleave_size=4)
 
 
@@ -104,7 +104,7 @@ def test_bad_constructor_arguments(kwargs, error, match):
         make(**kwargs)
 
 
-# ---- Row operations (§2.2, pitfall 18) --------------------------------------------------------------
+# ---- Row operations: columns past a row's count keep stale ids -------------------------------------
 def test_append_row_writes_after_the_row_end_and_counts():
     bt = make()
     bt.append_row([3, 7], 1)
@@ -117,7 +117,7 @@ def test_append_row_writes_after_the_row_end_and_counts():
 
 
 def test_hybrid_append_row_expands_manager_blocks():
-    """§2.5: [0,1,2] -> [0..5] (count 6); [5, 9] -> [10, 11, 18, 19]."""
+    """Hybrid blocks, two kernel blocks each: [0,1,2] -> [0..5] (count 6); [5, 9] -> [10, 11, 18, 19]."""
     bt = make(block_size=32, kernel_block_size=16, max_num_blocks_per_req=20)
     bt.append_row([0, 1, 2], 0)
     bt.append_row([5, 9], 1)
@@ -135,7 +135,7 @@ def test_add_row_resets_the_count_but_leaves_stale_columns():
     bt = make()
     bt.add_row([1, 2, 3, 4], 0)
     bt.add_row([9], 0)
-    assert bt.block_table.np[0, :5].tolist() == [9, 2, 3, 4, 0]     # 2, 3, 4 stay (pitfall 18)
+    assert bt.block_table.np[0, :5].tolist() == [9, 2, 3, 4, 0]     # 2, 3, 4 stay: vLLM does not clear them
     assert bt.num_blocks_per_row[0] == 1
     bt.add_row([], 0)
     assert bt.num_blocks_per_row[0] == 0 and bt.block_table.np[0, 0] == 9
@@ -177,7 +177,7 @@ def test_swap_row_swaps_whole_rows_and_counts():
 
 
 def test_input_batch_lifecycle_add_remove_condense():
-    """§2.6: add_request -> add_row, remove_request -> clear_row, condense -> move_row."""
+    """The input batch's calls: add_request -> add_row, remove_request -> clear_row, condense -> move_row."""
     bt = make()
     for i in range(4):
         bt.add_row([10 * i + 1, 10 * i + 2], i)
@@ -190,7 +190,7 @@ def test_input_batch_lifecycle_add_remove_condense():
                            [21, 22, 0, 0, 0, 0, 0, 0], [0] * 8]
 
 
-# ---- Slot mapping (§2.4) ------------------------------------------------------------------------
+# ---- Slot mapping --------------------------------------------------------------------------------
 def test_slot_mapping_worked_example_without_cp():
     """Request 0: row [3, 7], positions 5, 6, 7; request 1: row [2], positions 0, 1."""
     bt = make(max_num_batched_tokens=8)
@@ -205,7 +205,7 @@ def test_slot_mapping_worked_example_without_cp():
 
 
 def test_slot_mapping_indexes_the_flattened_table():
-    """The seed's docstring example: block size 2, rows of K columns; token t reads entry
+    """The example of vLLM's docstring: block size 2, rows of K columns; token t reads entry
     req * K + pos // 2 of the flattened table."""
     K = 4
     bt = make(block_size=2, max_num_blocks_per_req=K)
@@ -225,7 +225,7 @@ def test_slot_mapping_indexes_the_flattened_table():
     (2, 1, [-1, -1, 40, 41, -1, -1, 42, 43, -1, -1, 44, 45, -1, -1, 46, 47]),
 ])
 def test_dcp_world_size_2_spec_table(interleave, rank, expected):
-    """§2.4's table: B=4, W=2, row [10, 11, 12], positions 0..15."""
+    """DCP with interleaving: B=4, W=2, row [10, 11, 12], positions 0..15."""
     bt = make(interleave=interleave, dcp_world_size=2, dcp_rank=rank)
     bt.add_row([10, 11, 12], 0)
     bt.compute_slot_mapping(np.zeros(16, dtype=np.int64), np.arange(16))
@@ -244,7 +244,7 @@ def test_dcp_world_size_2_spec_table(interleave, rank, expected):
     (2, 1, 1, [1, 3, 5, 32, 33], [80, 81, 82, -1, 144]),
 ])
 def test_dcp_world_sizes_2_and_4_hand_computed(world, interleave, rank, positions, expected):
-    bt = BlockTable(16, 2, 4, 64, False, DEV, 16, cp_kv_cache_interleave_size=interleave,
+    bt = BlockTable(16, 2, 4, 64, False, DEV, 16, dcp_kv_cache_interleave_size=interleave,
                     dcp_world_size=world, dcp_rank=rank)
     bt.add_row([5, 9], 1)
     bt.compute_slot_mapping(np.ones(len(positions), dtype=np.int64), np.array(positions))
@@ -266,7 +266,7 @@ def test_dcp_settings_set_after_construction_are_used_and_checked():
 
 
 def test_hybrid_slot_is_the_manager_level_slot():
-    """§2.5: position 17 of row 1 ([5, 9] -> [10, 11, 18, 19]) is 11*16 + 1 = 177 = 5*32 + 17."""
+    """Hybrid blocks: position 17 of row 1 ([5, 9] -> [10, 11, 18, 19]) is 11*16 + 1 = 177 = 5*32 + 17."""
     bt = make(block_size=32, kernel_block_size=16, max_num_blocks_per_req=20)
     bt.append_row([0, 1, 2], 0)
     bt.append_row([5, 9], 1)
@@ -288,7 +288,7 @@ def test_slot_mapping_does_not_overflow_int32_block_ids():
 
 
 def test_later_form_reads_the_committed_table_and_pads_the_tail():
-    """§2.4 kernel form: compute_slot_mapping(num_reqs, query_start_loc, positions)."""
+    """The kernel form: compute_slot_mapping_from_query_start_loc(num_reqs, query_start_loc, positions)."""
     bt = make(max_num_batched_tokens=8)
     bt.add_row([3, 7], 0)
     bt.add_row([2], 1)
@@ -297,7 +297,7 @@ def test_later_form_reads_the_committed_table_and_pads_the_tail():
     bt.slot_mapping.gpu.fill_(777)
     qsl = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEV)
     pos = torch.tensor([5, 6, 7, 0, 1], dtype=torch.int64, device=DEV)
-    bt.compute_slot_mapping(2, qsl, pos)
+    bt.compute_slot_mapping_from_query_start_loc(2, qsl, pos)
     assert bt.slot_mapping.gpu.cpu().tolist() == [29, 30, 31, 8, 9, -1, -1, -1]
     assert not bt.slot_mapping.np.any()                    # only the device buffer is written
     bt.commit_block_table(2)
@@ -352,11 +352,15 @@ def test_clear_zeroes_both_sides_but_keeps_the_counts():
     (lambda bt: bt.compute_slot_mapping(np.zeros(33, dtype=int), np.zeros(33, dtype=int)), ValueError,
      "exceed max_num_batched_tokens"),
     (lambda bt: bt.compute_slot_mapping(np.array([0.0]), np.array([0])), TypeError, "must hold integers"),
-    (lambda bt: bt.compute_slot_mapping(2, [0, 2], [0, 1], [9]), TypeError, "takes"),
-    (lambda bt: bt.compute_slot_mapping(5, np.array([0] * 6), np.array([0])), ValueError, "num_reqs"),
-    (lambda bt: bt.compute_slot_mapping(2, np.array([0, 2]), np.array([0, 1])), ValueError, "num_reqs \\+ 1"),
-    (lambda bt: bt.compute_slot_mapping(2, np.array([0, 2, 1]), np.array([0, 1])), ValueError, "must rise"),
-    (lambda bt: bt.compute_slot_mapping(1, np.array([0, 3]), np.array([0, 1])), ValueError, "must rise"),
+    (lambda bt: bt.compute_slot_mapping(2, [0, 2], [0, 1]), TypeError, "takes"),
+    (lambda bt: bt.compute_slot_mapping_from_query_start_loc(5, np.array([0] * 6), np.array([0])), ValueError,
+     "num_reqs"),
+    (lambda bt: bt.compute_slot_mapping_from_query_start_loc(2, np.array([0, 2]), np.array([0, 1])), ValueError,
+     "num_reqs \\+ 1"),
+    (lambda bt: bt.compute_slot_mapping_from_query_start_loc(2, np.array([0, 2, 1]), np.array([0, 1])), ValueError,
+     "must rise"),
+    (lambda bt: bt.compute_slot_mapping_from_query_start_loc(1, np.array([0, 3]), np.array([0, 1])), ValueError,
+     "must rise"),
     (lambda bt: bt.commit_block_table(5), ValueError, "num_reqs must be between 0 and max_num_reqs=4"),
     (lambda bt: bt.commit_slot_mapping(33), ValueError, "max_num_batched_tokens=32"),
     (lambda bt: bt.commit_slot_mapping(-1), ValueError, "num_tokens"),
@@ -384,7 +388,7 @@ def test_hybrid_capacity_counts_kernel_blocks():
     assert bt.block_table.np[0].tolist() == [2, 3, 8, 9]
 
 
-# ---- MultiGroupBlockTable (§2.3) ---------------------------------------------------------------------
+# ---- MultiGroupBlockTable -----------------------------------------------------------------------------
 def make_multi(**kw):
     args = dict(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=16, pin_memory=False, device=DEV,
                 block_sizes=[16, 32], kernel_block_sizes=[16, 16])
@@ -410,10 +414,10 @@ def test_multi_group_speculative_floor_dcp_and_explicit_counts():
     assert (m[0].dcp_world_size, m[0].dcp_rank) == (2, 1)
     m = make_multi(max_num_blocks=[3, 5])
     assert [t.max_num_blocks_per_req for t in m.block_tables] == [8, 8 * 2]    # aligned to 8 and 4, x bpk
-    m = MultiGroupBlockTable(4, 64, 16, False, DEV, [16], [16], [10], 4)        # vLLM's later positional order
+    m = MultiGroupBlockTable(4, 64, 16, False, DEV, [16], [16], 0, 4, max_num_blocks=[10])
     assert m[0].max_num_blocks_per_req == 16 and m[0].dcp_kv_cache_interleave_size == 4
-    m = make_multi(cp_kv_cache_interleave_size=8)
-    assert all(t.cp_kv_cache_interleave_size == 8 for t in m.block_tables)
+    m = make_multi(dcp_kv_cache_interleave_size=8)
+    assert all(t.dcp_kv_cache_interleave_size == 8 for t in m.block_tables)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -457,7 +461,7 @@ def test_multi_group_fans_out_row_operations_and_slot_mapping():
     qsl = np.array([0, 2])
     m.add_row(([1], [1]), 0)
     m.commit_block_table(1)
-    m.compute_slot_mapping(1, qsl, np.array([0, 1]))
+    m.compute_slot_mapping_from_query_start_loc(1, qsl, np.array([0, 1]))
     assert m[0].slot_mapping.gpu[:3].cpu().tolist() == [16, 17, -1]
     assert m[1].slot_mapping.gpu[:3].cpu().tolist() == [32, 33, -1]
 
@@ -507,7 +511,7 @@ def _compare_objs(a, b):
 
 def test_swapping_rows_matches_adding_them_in_swapped_order():
     """vLLM's swap-states test: swap rows of one batch, build another batch in the swapped order
-    directly, and compare the two whole objects, buffers included (spec #55, pitfall 18)."""
+    directly, and compare the two whole objects, buffers included: stale columns must match too."""
     ids = [([1, 2], [3]), ([4], [5, 6]), ([7, 8, 9], []), ([10], [11])]
     swapped = make_multi()
     for i, b in enumerate(ids):

@@ -1,4 +1,4 @@
-"""Spec §2.1: CpuGpuBuffer, a host tensor (with a numpy view of the same memory) and a device
+"""CpuGpuBuffer (``vllm/v1/utils.py``): a host tensor (with a numpy view of the same memory) and a device
 tensor that only meet when copied."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Property tests of the V1 block table (spec §2.2-§2.5), against independent references.
+"""Property tests of the V1 block table (rows, slot mapping, hybrid blocks), against independent references.
 
 * Slot mapping vs the legacy layer: random requests are allocated as legacy ``BlockTable``s
   over a ``CpuGpuBlockAllocator`` (so ids come from a real allocator, and with prefix caching a
@@ -11,8 +11,8 @@
   ``PAD_SLOT_ID`` on the others), runs of ``interleave`` tokens rotate among the ranks, and each
   rank packs its own tokens densely in order, as a legacy table over just those tokens would.
 * Row operations: random add/append/clear/move/swap sequences on a ``MultiGroupBlockTable``
-  leave exactly the buffers a plain-Python model of spec §2.2 predicts (stale columns
-  included, pitfall 18); a call that must fail raises and changes nothing.
+  leave exactly the buffers a plain-Python model of the row operations predicts (stale
+  columns included: vLLM never clears them); a call that must fail raises and changes nothing.
 """
 import numpy as np
 import pytest
@@ -127,7 +127,7 @@ def test_slot_mapping_matches_the_legacy_tables_token_by_token(workload):
             row_of[i] = i
     v1.commit_block_table(len(rows))
     query_start_loc = np.concatenate([[0], np.cumsum([e - s for s, e in runs])])
-    v1.compute_slot_mapping(len(rows), query_start_loc, positions)
+    v1.compute_slot_mapping_from_query_start_loc(len(rows), query_start_loc, positions)
     slots = v1.slot_mapping.gpu.cpu().numpy()
     assert slots[:n].tolist() == expected
     assert (slots[n:] == PAD_SLOT_ID).all()
@@ -169,7 +169,7 @@ def test_dcp_ranks_partition_the_tokens_and_pack_them_densely(workload):
     per_rank = []
     for rank in range(world):
         v1 = BlockTable(block_size, MAX_REQS, MAX_BLOCKS, MAX_TOKENS, False, DEV, kernel_block_size,
-                        dcp_world_size=world, dcp_rank=rank, cp_kv_cache_interleave_size=interleave)
+                        dcp_world_size=world, dcp_rank=rank, dcp_kv_cache_interleave_size=interleave)
         v1.add_row(ids, 3)
         v1.compute_slot_mapping(np.full(total, 3), positions)
         slots = v1.slot_mapping.np[:total].copy()
@@ -190,13 +190,13 @@ def test_dcp_ranks_partition_the_tokens_and_pack_them_densely(workload):
     assert (stored.sum(axis=0) == 1).all()                # every token on exactly one rank
 
 
-# ---- Row operations against a plain model of spec §2.2 -----------------------------------------
+# ---- Row operations against a plain model of them -----------------------------------------------
 GROUPS = ((16, 16), (32, 16))          # (manager block size, kernel block size): bpk 1 and 2
 COLUMNS = 16                            # max_num_blocks=[16, 8] -> 16 kernel columns in both groups
 
 
 class _Model:
-    """Spec §2.2 restated in plain lists: full-width rows (stale ids included) and counts."""
+    """The row operations restated in plain lists: full-width rows (stale ids included) and counts."""
 
     def __init__(self):
         self.rows = [[[0] * COLUMNS for _ in range(MAX_REQS)] for _ in GROUPS]

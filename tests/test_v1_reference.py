@@ -60,7 +60,7 @@ def test_loop_equals_compute_slot_mapping_with_dcp(world, interleave, block_size
 
 
 def test_loop_by_hand():
-    """Spec §2.4's worked examples, without and with DCP."""
+    """Worked slot-mapping examples, without and with DCP."""
     table = BlockTable(4, 2, 4, 16, False, DEV, 4, 1)
     table.add_row([3, 7], 0)
     table.add_row([2], 1)

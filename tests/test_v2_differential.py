@@ -166,7 +166,7 @@ class Workload:
         req_rows = np.repeat(np.arange(num_reqs), counts)
         self.v1.compute_slot_mapping(req_rows, np.array(positions, dtype=np.int64))
         v1_slots = [t.slot_mapping.np[:num_tokens].copy() for t in self.v1.block_tables]
-        self.v1.compute_slot_mapping(num_reqs, qsl, np.array(padded_positions, dtype=np.int64))
+        self.v1.compute_slot_mapping_from_query_start_loc(num_reqs, qsl, np.array(padded_positions, dtype=np.int64))
         v1_padded = [t.slot_mapping.gpu.cpu().numpy().copy() for t in self.v1.block_tables]
 
         # The model: gather, then slots.

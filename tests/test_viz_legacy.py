@@ -83,10 +83,10 @@ def test_eviction_order_on_an_allocator_after_frees():
     allocator, tables = cached()
     for table in tables.values():
         table.free()
-    evictor = allocator._allocators[Device.GPU].evictor
+    evictor = allocator.allocators[Device.GPU].evictor
     victims = copy.deepcopy(evictor)
     assert eviction_order(evictor) == [victims.evict()[0] for _ in range(victims.num_blocks)]
-    assert eviction_order(allocator) == eviction_order(allocator._allocators[Device.GPU]) == eviction_order(evictor)
+    assert eviction_order(allocator) == eviction_order(allocator.allocators[Device.GPU]) == eviction_order(evictor)
     # A stamped the shared blocks 0 and 1 last (t = 1), B's own block 3 is at t = 2: 1 (the longer
     # prefix) before 0, then 3.
     assert eviction_order(evictor) == [1, 0, 3]
@@ -105,7 +105,7 @@ def test_allocation_order_prefix_caching_uses_the_free_list_then_the_evictor():
     tables["B"].free()
     order = allocation_order(allocator)
     assert order == drain(allocator)
-    evictor = allocator._allocators[Device.GPU].evictor
+    evictor = allocator.allocators[Device.GPU].evictor
     assert order[-evictor.num_blocks:] == eviction_order(evictor) == [3]
 
 
@@ -140,6 +140,25 @@ def test_physical_blocks_marks_evictable():
     assert pool[3].free and pool[3].next_rank == 4
 
 
+def test_the_accessors_the_drawings_read_are_read_only():
+    allocator, tables = forked()
+    with pytest.raises(TypeError):
+        allocator.allocators[Device.GPU] = None                  # a read-only view
+    gpu = allocator.allocators[Device.GPU]
+    free = gpu.free_block_ids
+    free.clear()                                                 # a copy: the allocator is unchanged
+    assert gpu.free_block_ids == allocation_order(allocator) and gpu.get_num_free_blocks() > 0
+    assert gpu.block_size == 4 and allocator.null_block is None
+    assert all(table.allocator is allocator for table in tables.values())
+    cached_allocator, cached_tables = cached()
+    block = cached_tables["A"].blocks[0]
+    assert block.allocator is cached_allocator.allocators[Device.GPU] and block.allocator.is_block_cached(block)
+    evictor = LRUEvictor()
+    evictor.add(7, 70, 4, 2.0)
+    evictor.add(3, 30, 4, 1.0)
+    assert evictor.eviction_order() == eviction_order(evictor) == [3, 7]
+
+
 def test_short_hash():
     assert short_hash(0x1234ABCD) == "abcd"
     assert short_hash(-1) == "ffff"
@@ -166,7 +185,7 @@ def test_helpers_reject_bad_input():
     with pytest.raises(TypeError, match="BlockTable"):
         physical_blocks({"A": [0, 1]}, allocator)
     with pytest.raises(TypeError, match="allocator"):
-        physical_blocks(tables, allocator._allocators[Device.GPU])
+        physical_blocks(tables, allocator.allocators[Device.GPU])
     other, _ = forked()
     with pytest.raises(ValueError, match="another allocator"):
         physical_blocks(tables, other)
@@ -272,13 +291,13 @@ def test_draw_eviction_order():
     allocator, tables = cached()
     for table in tables.values():
         table.free()
-    order = eviction_order(allocator._allocators[Device.GPU].evictor)
+    order = eviction_order(allocator.allocators[Device.GPU].evictor)
     ax = draw_eviction_order(allocator)
     assert isinstance(ax, Axes)
     names = [x for x in texts(ax) if x.startswith("block ")]
     assert names == [f"block {i}" for i in order]
     assert "evicted first" in texts(ax)
-    assert fingerprint(ax) == fingerprint(draw_eviction_order(allocator._allocators[Device.GPU]))
+    assert fingerprint(ax) == fingerprint(draw_eviction_order(allocator.allocators[Device.GPU]))
 
 
 def test_draw_eviction_order_empty_and_bad_input():

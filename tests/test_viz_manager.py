@@ -8,10 +8,9 @@ import pytest  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager  # noqa: E402
-from paged_attention.legacy.fcfs import (  # noqa: E402
-    RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED, FcfsScheduler, Request, synthetic_workload,
-)
-from paged_attention.sharing_sim import SharingSavings  # noqa: E402
+from paged_attention.legacy.records import RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED  # noqa: E402
+from paged_attention.legacy.sharing_sim import SharingSavings  # noqa: E402
+from paged_attention.legacy.workload import Request, SimulatedEngine, synthetic_workload  # noqa: E402
 from paged_attention.viz import (  # noqa: E402
     draw_pool_over_time, draw_pools_over_time, draw_sharing_savings, event_steps, owner_runs, request_color,
 )
@@ -22,7 +21,7 @@ from paged_attention.viz.legacy import SHARED_HATCH  # noqa: E402
 def demo_history():
     requests = synthetic_workload(10, seed=4, n=(1, 1, 2, 3), arrival_every=1.5, mean_prompt_len=16,
                                   mean_output_len=16, max_len=48)
-    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 32, 16, watermark=0.1), requests)
+    sched = SimulatedEngine(SelfAttnBlockSpaceManager(4, 32, 16, watermark=0.1), requests)
     sched.run()
     return sched.history
 
@@ -88,7 +87,7 @@ def test_draw_pools_over_time():
 def test_draw_pool_shows_requests_sharing_a_prefix_cross_hatched():
     system = tuple(range(900, 908))
     requests = [Request("a", 0, system + (1, 2), (6,)), Request("b", 1, system + (3,), (4,))]
-    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 12, 4, watermark=0.0, enable_caching=True), requests)
+    sched = SimulatedEngine(SelfAttnBlockSpaceManager(4, 12, 4, watermark=0.0, enable_caching=True), requests)
     sched.run()
     ax = draw_pool_over_time(sched.history, 12, "GPU")
     crossed = [c for c in ax.collections if c.get_hatch() == CROSS_HATCH]
@@ -149,7 +148,7 @@ def test_draw_sharing_savings():
 
 def test_the_legend_lists_only_what_the_drawing_has():
     requests = [Request("a", 0, (1, 2, 3), (3, 3)), Request("b", 0, (4, 5), (2,))]
-    sched = FcfsScheduler(SelfAttnBlockSpaceManager(4, 8, 0, watermark=0.0), requests)
+    sched = SimulatedEngine(SelfAttnBlockSpaceManager(4, 8, 0, watermark=0.0), requests)
     sched.run()
     legend = [t.get_text() for t in draw_pool_over_time(sched.history, 8).get_legend().get_texts()]
     assert legend == ["a", "b", "shared by samples"]          # no swaps, waits or prefix sharing here

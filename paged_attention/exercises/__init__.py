@@ -29,11 +29,6 @@ def report(correct: bool, what: str, hint: str) -> bool:
 # can never equal a number) nor a silent "correct" (32.0 == 32, or "32" read as an int).
 
 
-class NotAChoiceError(ValueError, TypeError):
-    """A text answer that is none of the allowed words. A ValueError (a right type, a wrong
-    value), and a TypeError too, like every other answer a checker cannot read."""
-
-
 def as_int(answer: object, name: str) -> int:
     """A student's int: a Python, numpy or 0-d integer torch value. TypeError for anything else
     (a bool, a float even if whole, a string, None)."""
@@ -66,13 +61,14 @@ def as_float_list(answer: Sequence[float], name: str) -> list[float]:
 
 def as_choice(answer: object, name: str, choices: Sequence[str]) -> str:
     """A student's one-word answer, matched to ``choices`` ignoring case and surrounding
-    spaces. TypeError if it is not a string; ``NotAChoiceError`` if it is none of them."""
+    spaces. TypeError if it is not a string or is none of them: like every answer a checker
+    cannot read."""
     if not isinstance(answer, str):
         raise TypeError(f"{name} must be one of the strings {list(choices)}, got {answer!r}")
     for choice in choices:
         if answer.strip().lower() == choice.lower():
             return choice
-    raise NotAChoiceError(f"{name} must be one of {list(choices)}, got {answer!r}")
+    raise TypeError(f"{name} must be one of {list(choices)}, got {answer!r}")
 
 
 def _items(answer: object, name: str, kind: str) -> list:

@@ -9,10 +9,9 @@ from typing import Sequence
 
 from paged_attention.exercises import as_int, as_int_list, report
 from paged_attention.legacy.block_table import BlockTable
-from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator, eviction_order
+from paged_attention.legacy.cpu_gpu_block_allocator import refcounts as pool_refcounts   # `refcounts`: an answer
 from paged_attention.utils import Device
-from paged_attention.viz.legacy import eviction_order
-from paged_attention.viz.legacy import refcounts as pool_refcounts   # `refcounts` is an answer below
 
 
 def _naive(num_gpu_blocks: int, block_size: int) -> CpuGpuBlockAllocator:

@@ -1,4 +1,4 @@
-"""From a model's layers to bound, shaped KV-cache tensors (spec §4.1 layout, §4.2).
+"""From a model's layers to bound, shaped KV-cache tensors.
 
 The path, as in ``vllm/v1/worker/gpu/attn_utils.py``:
 
@@ -25,12 +25,11 @@ from paged_attention.kv_cache.backends import AttentionBackend
 from paged_attention.kv_cache.interface import (
     AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, get_dtype_size)
 from paged_attention.kv_cache.layer import Attention
-from paged_attention.utils import check_device, check_int
+from paged_attention.utils import VllmAssertion, check_device, check_int
 
 
-class KVCacheInitError(ValueError, AssertionError):
-    """The config and the tensors do not fit together. vLLM asserts these; here they are
-    ValueErrors that are also AssertionErrors."""
+class KVCacheInitError(ValueError, VllmAssertion):
+    """The config and the tensors do not fit together (vLLM asserts these)."""
 
 
 def _check_config(kv_cache_config: object) -> KVCacheConfig:
@@ -120,7 +119,7 @@ def get_shared_kv_cache_layers(attn_layers: dict[str, Attention]) -> dict[str, s
 def get_kv_cache_config(kv_cache_spec: dict[str, KVCacheSpec], available_memory: int,
                         num_gpu_blocks_override: int | None = None,
                         shared_kv_cache_layers: dict[str, str] | None = None) -> KVCacheConfig:
-    """Turn a memory budget in bytes into a ``KVCacheConfig`` (spec §4.1, layout rules).
+    """Turn a memory budget in bytes into a ``KVCacheConfig``.
 
     * All layers with one spec: one group, one tensor per layer,
       ``num_blocks = available_memory // page_size // num_layers``.
@@ -214,7 +213,7 @@ def _reshape_kv_cache(kv_cache_config: KVCacheConfig,
                       kernel_block_sizes: list[int] | None = None,
                       shared_kv_cache_layers: dict[str, str] | None = None
                       ) -> dict[str, torch.Tensor]:
-    """Each layer's typed view of its raw bytes (spec §4.2).
+    """Each layer's typed view of its raw bytes.
 
     The view has the backend's logical shape (``get_kv_cache_shape``); in memory its
     dimensions lie in the order ``get_kv_cache_stride_order(layout)`` gives: the bytes are

@@ -1,4 +1,4 @@
-"""Attention backends, reduced to what the KV cache needs from them (spec §4.3).
+"""Attention backends, reduced to what the KV cache needs from them.
 
 A backend says which *logical* shape a layer's KV cache has (``get_kv_cache_shape``) and in
 which order its dimensions lie in memory (``get_kv_cache_stride_order``). The reshape in
@@ -15,6 +15,8 @@ Layout "NHD" keeps tokens outside heads inside a block; "HND" puts heads outside
 from __future__ import annotations
 
 import os
+
+from paged_attention.utils import check_int
 
 _LAYOUTS = ("NHD", "HND")
 
@@ -35,10 +37,7 @@ def _check_layout(layout: str) -> None:
 def _check_dims(num_blocks, block_size, num_kv_heads, head_size, multiple_of_16: bool = False) -> None:
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        if value < (0 if name == "num_blocks" else 1):
-            raise ValueError(f"{name} must be positive, got {value}")
+        check_int(name, value, 0 if name == "num_blocks" else 1)
     if multiple_of_16 and block_size % 16 != 0:
         raise ValueError("Block size must be a multiple of 16.")
 

@@ -1,4 +1,4 @@
-"""What one layer's KV cache needs per block, and how the cache is laid out (spec §4.1).
+"""What one layer's KV cache needs per block, and how the cache is laid out.
 
 Mirrors ``vllm/v1/kv_cache_interface.py``: the specs are frozen dataclasses with vLLM's field
 names; ``page_size_bytes`` is the number of bytes one block of one layer takes.
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace, fields
 
 import torch
 
-from paged_attention.utils import cdiv, check_int
+from paged_attention.utils import VllmAssertion, cdiv, check_int
 
 
 def _set_int(spec: object, name: str, minimum: int = 1, optional: bool = False) -> None:
@@ -22,9 +22,8 @@ def _set_int(spec: object, name: str, minimum: int = 1, optional: bool = False) 
     object.__setattr__(spec, name, check_int(f"{type(spec).__name__}.{name}", value, minimum))
 
 
-class KVCacheSpecMismatchError(ValueError, AssertionError):
-    """Specs that must be equal (one KV-cache group) are not. vLLM asserts this; here it is a
-    ValueError that is also an AssertionError."""
+class KVCacheSpecMismatchError(ValueError, VllmAssertion):
+    """Specs that must be equal (one KV-cache group) are not (vLLM asserts this)."""
 
 
 def get_dtype_size(dtype: torch.dtype) -> int:

@@ -1,4 +1,5 @@
-"""The legacy block manager (spec §1.7, §1.8): where block tables meet the scheduler.
+"""The legacy block manager (vLLM's ``vllm/core/block_manager.py``): where block tables meet the
+scheduler.
 
 The scheduler asks it four kinds of question, each a count of blocks against the free pool:
 can this request be admitted (keeping a *watermark* of GPU blocks in reserve), can every running
@@ -17,7 +18,7 @@ from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.common import BlockStateError, check_time, rehearse
 from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator, NullBlock
 from paged_attention.legacy.interfaces import AllocStatus, BlockAllocator
-from paged_attention.legacy.prefix_caching_block import ComputedBlocksTracker, LastAccessBlocksTracker
+from paged_attention.legacy.prefix_caching_trackers import ComputedBlocksTracker, LastAccessBlocksTracker
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device, cdiv, check_int
 

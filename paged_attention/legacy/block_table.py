@@ -1,4 +1,4 @@
-"""A sequence's block table (spec §1.6): its tokens, cut into blocks, and the physical id of
+"""A sequence's block table (vLLM's ``vllm/core/block/block_table.py``): its tokens, cut into blocks, and the physical id of
 each block. Logical block ``i`` holds tokens ``i*block_size .. (i+1)*block_size - 1``, so
 token ``t`` lives in slot ``physical_block_ids[t // block_size] * block_size + t % block_size``
 of the KV cache.
@@ -44,6 +44,11 @@ class BlockTable:
         self._blocks = BlockList(_blocks if _blocks is not None else [])
         self._max_block_sliding_window = max_block_sliding_window
         self._num_full_slots = self._get_num_token_ids()
+
+    @property
+    def allocator(self) -> DeviceAwareBlockAllocator:
+        """The device-aware allocator this table takes its blocks from."""
+        return self._allocator
 
     @staticmethod
     def get_num_required_blocks(token_ids: list[int], block_size: int, num_lookahead_slots: int = 0) -> int:

@@ -1,4 +1,5 @@
-"""The pieces every legacy allocator is built from (spec §1.2): a reference counter and its
+"""The pieces every legacy allocator is built from (vLLM's
+``vllm/core/block/common.py``): a reference counter and its
 read-only view, the log of copy-on-write pairs, a pool of reusable block objects, a list of
 blocks that keeps their ids at hand, and the prefix-cache hit-rate bookkeeping.
 """
@@ -14,22 +15,20 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
-from paged_attention.utils import Device, is_int
+from paged_attention.utils import Device, VllmAssertion, is_int
 
 
-class BlockStateError(ValueError, AssertionError):
+class BlockStateError(ValueError, VllmAssertion):
     """A call that breaks a block invariant: freeing a block twice, forking a freed one,
-    appending past a block's end. vLLM checks these with ``assert``; here it is a ValueError
-    (this project's error for bad values) that is also an AssertionError (what vLLM raised)."""
+    appending past a block's end (vLLM asserts these)."""
 
 
-class UnknownBlockIdError(KeyError, AssertionError):
-    """A block id this allocator never owned (a KeyError, and an AssertionError as in vLLM)."""
+class UnknownBlockIdError(KeyError, VllmAssertion):
+    """A block id this allocator never owned (vLLM asserts this)."""
 
 
-class BlockTypeError(TypeError, AssertionError):
-    """An object of the wrong kind where a block or allocator was expected (a TypeError, and an
-    AssertionError as in vLLM)."""
+class BlockTypeError(TypeError, VllmAssertion):
+    """An object of the wrong kind where a block or allocator was expected (vLLM asserts this)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,15 +1,21 @@
-"""One allocator per device behind one interface (spec §1.5), and the null block.
+"""One allocator per device behind one interface, and the null block (as in vLLM's
+``vllm/core/block/cpu_gpu_block_allocator.py``).
 
 Block ids are *absolute*: the GPU's come first (0 .. G-1), then the CPU's (G .. G+C-1), so an
 id alone says which device (and which allocator) owns it. The KV-cache tensors of each device
 start at 0, so kernels get *physical* ids: an absolute id's position among its device's ids.
+
+The module ends with what a reader asks of the GPU pool (``refcounts``, ``allocation_order``,
+``eviction_order``), read through public accessors only.
 """
 from __future__ import annotations
 
-from typing import FrozenSet
+from types import MappingProxyType
+from typing import FrozenSet, Mapping, Union
 
 from paged_attention.legacy.common import (BlockStateError, BlockTypeError, UnknownBlockIdError, check_block,
                                            check_blocks, rehearse)
+from paged_attention.legacy.evictor import LRUEvictor
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId, DeviceAwareBlockAllocator
 from paged_attention.legacy.naive_block import NaiveBlock, NaiveBlockAllocator, check_held
 from paged_attention.legacy.prefix_caching_block import PrefixCachingBlockAllocator
@@ -124,6 +130,16 @@ class CpuGpuBlockAllocator(DeviceAwareBlockAllocator):
     @property
     def all_block_ids(self) -> FrozenSet[int]:
         return frozenset(self._block_ids_to_allocator.keys())
+
+    @property
+    def allocators(self) -> Mapping[Device, BlockAllocator]:
+        """Each device's allocator (a read-only view)."""
+        return MappingProxyType(self._allocators)
+
+    @property
+    def null_block(self) -> NullBlock | None:
+        """The null block, or None before a sliding window first asked for it."""
+        return self._null_block
 
     # ---- Swapping ---------------------------------------------------------------------------------
     def swap(self, blocks: list[Block], src_device: Device, dst_device: Device) -> dict[int, int]:
@@ -266,3 +282,56 @@ class NullBlock(Block):
     @property
     def content_hash(self) -> int | None:
         return self._proxy.content_hash
+
+
+# ---- The GPU pool, read from outside --------------------------------------------------------------
+# What a reader (a drawing, an exercise checker) asks of a pool: each block's reference count, and
+# which ids the next allocations will take. Each takes a CpuGpuBlockAllocator (its GPU side is
+# read) or one device's allocator.
+SingleDeviceAllocator = Union[NaiveBlockAllocator, PrefixCachingBlockAllocator]
+
+
+def gpu_allocator(allocator: object) -> SingleDeviceAllocator:
+    """The GPU's allocator of a ``CpuGpuBlockAllocator``, or a single-device allocator as is."""
+    if isinstance(allocator, CpuGpuBlockAllocator):
+        allocator = allocator.allocators[Device.GPU]
+    if isinstance(allocator, (NaiveBlockAllocator, PrefixCachingBlockAllocator)):
+        return allocator
+    raise TypeError(f"allocator must be a CpuGpuBlockAllocator (or one device's NaiveBlockAllocator / "
+                    f"PrefixCachingBlockAllocator), got {type(allocator).__name__}")
+
+
+def refcounts(allocator: object) -> list[int]:
+    """The reference count of every GPU block, in id order (0: free, or cached and evictable)."""
+    gpu = gpu_allocator(allocator)
+    return [gpu.refcounter.get(i) for i in sorted(gpu.all_block_ids)]
+
+
+def eviction_order(evictor: object) -> list[int]:
+    """The ids waiting in an LRU evictor, first to be evicted first.
+
+    Oldest ``last_accessed`` goes first; among equal times the block ending the longer prefix
+    (more ``num_hashed_tokens``: the tail of a chain before its head), then the lower block id,
+    then the lower hash. ``evictor`` is an ``LRUEvictor``, or a prefix-caching allocator (a
+    ``CpuGpuBlockAllocator``'s GPU side is read).
+    """
+    if not isinstance(evictor, LRUEvictor):
+        allocators = (CpuGpuBlockAllocator, PrefixCachingBlockAllocator)
+        if not isinstance(evictor, allocators) or not isinstance(gpu_allocator(evictor), PrefixCachingBlockAllocator):
+            raise TypeError(f"evictor must be an LRUEvictor or a prefix-caching allocator, "
+                            f"got {type(evictor).__name__}")
+        evictor = gpu_allocator(evictor).evictor
+    return evictor.eviction_order()
+
+
+def allocation_order(allocator: object) -> list[int]:
+    """The GPU ids a run of fresh (mutable) allocations would get, in order.
+
+    A naive allocator pops its free list from the left, and a freed id is pushed back on the
+    left, so the id freed last comes out first. A prefix-caching allocator uses its free list
+    first, then takes back cached blocks nobody holds, in eviction order.
+    """
+    gpu = gpu_allocator(allocator)
+    if isinstance(gpu, PrefixCachingBlockAllocator):
+        return gpu.free_block_ids + gpu.evictor.eviction_order()
+    return gpu.free_block_ids

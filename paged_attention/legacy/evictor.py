@@ -1,4 +1,4 @@
-"""Which cached block to give up when the pool is full (spec §1.4.4).
+"""Which cached block to give up when the pool is full (vLLM's ``vllm/core/evictor.py``).
 
 A prefix-cached block that nobody holds any more is not wiped: it waits in the evictor, still
 findable by its hash, until an allocation needs its physical id. The LRU evictor gives up the
@@ -54,6 +54,10 @@ class LRUEvictor:
     @property
     def num_blocks(self) -> int:
         return len(self.free_table)
+
+    def eviction_order(self) -> list[BlockId]:
+        """The waiting ids, first to be evicted first: the order ``evict`` gives them up in."""
+        return sorted(self.free_table, key=lambda block_id: self._entry(block_id, self.free_table[block_id]))
 
     @staticmethod
     def _entry(block_id: BlockId, meta: BlockMetaData) -> tuple[float, int, BlockId, int]:

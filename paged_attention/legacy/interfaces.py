@@ -1,4 +1,5 @@
-"""What a block and a block allocator promise (spec §1.1): the abstract shapes every legacy
+"""What a block and a block allocator promise (vLLM's ``vllm/core/block/interfaces.py``):
+the abstract shapes every legacy
 allocator fills in, with vLLM's names so the two codebases can be read side by side.
 
 A *block* holds up to ``block_size`` token ids and, once allocated, the id of the physical KV

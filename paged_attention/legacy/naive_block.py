@@ -1,4 +1,4 @@
-"""The plain allocator (spec §1.3): physical ids handed out from a free list, counted, and
+"""The plain allocator (vLLM's ``vllm/core/block/naive_block.py``): physical ids handed out from a free list, counted, and
 copied on write when shared; no prefix caching. Blocks are plain token lists.
 
 Ids are reused last-in first-out: a freed id goes to the left of the free deque and allocation
@@ -192,6 +192,15 @@ class NaiveBlockAllocator(BlockAllocator):
     @property
     def all_block_ids(self) -> FrozenSet[int]:
         return self._all_block_indices
+
+    @property
+    def free_block_ids(self) -> list[BlockId]:
+        """The free ids in the order allocations take them (a copy): the id freed last first."""
+        return list(self._free_block_indices)
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
 
     # ---- Copy on write ----------------------------------------------------------------------------
     def cow_block_if_not_appendable(self, block: Block) -> BlockId:

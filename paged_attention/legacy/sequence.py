@@ -1,4 +1,4 @@
-"""The little of vLLM's ``sequence.py`` that the legacy block manager reads (spec §1.12).
+"""The little of vLLM's ``sequence.py`` that the legacy block manager reads.
 
 A ``Sequence`` is one stream of tokens (a prompt and what has been generated after it); a
 ``SequenceGroup`` is the sequences of one request (several for parallel sampling or beam

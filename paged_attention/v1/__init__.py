@@ -1,4 +1,4 @@
-"""vLLM's V1 worker block table (spec §2): the persistent, batch-ordered table the model runner
+"""vLLM's V1 worker block table: the persistent, batch-ordered table the model runner
 keeps on the CPU and copies to the GPU each step, and the slot mapping computed from it.
 
 Read in this order: ``cpu_gpu_buffer`` (a tensor kept twice, on the host and on the device,

@@ -1,4 +1,4 @@
-"""vLLM V1's worker block table (spec §2, ``vllm/v1/worker/block_table.py``).
+"""vLLM V1's worker block table (``vllm/v1/worker/block_table.py``).
 
 The scheduler decides which KV-cache blocks each request owns; the worker must tell the
 attention kernels. It keeps one persistent table, a ``[max_num_reqs, max_num_blocks_per_req]``
@@ -15,14 +15,14 @@ slot of the KV cache its key and value are written to,
 i.e. the block that holds the token, times the tokens per block, plus the token's offset in
 its block. Two refinements change the arithmetic:
 
-* hybrid (kernel) blocks, spec §2.5: when the attention kernel wants smaller blocks than the
+* hybrid (kernel) blocks: when the attention kernel wants smaller blocks than the
   KV-cache manager allocates, each manager block ``b`` is split into kernel blocks
   ``b*bpk .. b*bpk + bpk-1`` and the table (and its ``block_size``) is in kernel blocks;
-* decode context parallelism (DCP), spec §2.4: the KV cache of one request is spread over
+* decode context parallelism (DCP): the KV cache of one request is spread over
   ``dcp_world_size`` GPUs, a few tokens on each in turn; each rank computes the slots of the
   tokens it stores and marks the others with ``PAD_SLOT_ID`` (-1), which cache writes skip.
 
-``MultiGroupBlockTable`` (spec §2.3) holds one ``BlockTable`` per KV-cache group (for instance
+``MultiGroupBlockTable`` holds one ``BlockTable`` per KV-cache group (for instance
 full-attention layers and sliding-window layers with different block sizes) and fans every
 operation out to all of them.
 
@@ -42,21 +42,12 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_device, check_int, is_int
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_device, check_int, check_int_list, is_int
 from paged_attention.v1.cpu_gpu_buffer import CpuGpuBuffer
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 BlockIds = Union[Sequence[int], np.ndarray]
-
-
-def _is_later_form(later_form: tuple) -> bool:
-    """Was ``compute_slot_mapping`` called as ``(num_reqs, query_start_loc, positions)``, vLLM's
-    later form, rather than ``(req_indices, positions)``?"""
-    if len(later_form) > 1:
-        raise TypeError("compute_slot_mapping takes (req_indices, positions) or "
-                        "(num_reqs, query_start_loc, positions)")
-    return len(later_form) == 1
 
 
 class BlockTable:
@@ -69,9 +60,10 @@ class BlockTable:
     * ``block_size``: tokens per block of the KV-cache manager (what the scheduler allocates);
     * ``kernel_block_size``: tokens per block the attention kernel reads; it must divide
       ``block_size``. When it differs, ``self.block_size`` becomes the *kernel* block size and
-      ``self.max_num_blocks_per_req`` is multiplied by ``blocks_per_kv_block`` (pitfall 17);
-    * ``dcp_kv_cache_interleave_size`` (vLLM later renamed it ``cp_kv_cache_interleave_size``;
-      either keyword works, default 1): how many consecutive tokens go to one DCP rank before
+      ``self.max_num_blocks_per_req`` is multiplied by ``blocks_per_kv_block`` (the row holds kernel blocks, so it
+      needs that many more columns);
+    * ``dcp_kv_cache_interleave_size`` (default 1; vLLM later renamed it
+      ``cp_kv_cache_interleave_size``): how many consecutive tokens go to one DCP rank before
       the next rank's turn;
     * ``dcp_world_size``/``dcp_rank``: vLLM reads them from the DCP process group (1 and 0
       when there is none); here they are plain keyword arguments. They stay plain attributes,
@@ -85,15 +77,14 @@ class BlockTable:
 
     def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
                  max_num_batched_tokens: int, pin_memory: bool, device: Union[torch.device, str],
-                 kernel_block_size: int, dcp_kv_cache_interleave_size: Optional[int] = None, *,
-                 cp_kv_cache_interleave_size: Optional[int] = None, dcp_world_size: int = 1,
-                 dcp_rank: int = 0) -> None:
+                 kernel_block_size: int, dcp_kv_cache_interleave_size: int = 1, *,
+                 dcp_world_size: int = 1, dcp_rank: int = 0) -> None:
         block_size = check_int("block_size", block_size, minimum=1)
         max_num_reqs = check_int("max_num_reqs", max_num_reqs, minimum=1)
         max_num_blocks_per_req = check_int("max_num_blocks_per_req", max_num_blocks_per_req, minimum=1)
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         kernel_block_size = check_int("kernel_block_size", kernel_block_size, minimum=1)
-        interleave = _resolve_interleave(dcp_kv_cache_interleave_size, cp_kv_cache_interleave_size)
+        interleave = check_int("dcp_kv_cache_interleave_size", dcp_kv_cache_interleave_size, minimum=1)
         check_device("device", device)          # a clear error here, not one from torch later
         if not isinstance(pin_memory, (bool, np.bool_)):
             raise TypeError(f"pin_memory must be a bool, got {pin_memory!r}")
@@ -141,15 +132,6 @@ class BlockTable:
         else:
             self._kernel_block_arange = None
 
-    @property
-    def cp_kv_cache_interleave_size(self) -> int:
-        """vLLM's later name (2026) for ``dcp_kv_cache_interleave_size``; the same value."""
-        return self.dcp_kv_cache_interleave_size
-
-    @cp_kv_cache_interleave_size.setter
-    def cp_kv_cache_interleave_size(self, value: int) -> None:
-        self.dcp_kv_cache_interleave_size = value
-
     # ---- Row operations (CPU side only; nothing reaches the GPU before commit_block_table) ----
     def append_row(self, block_ids: BlockIds, row_idx: int) -> None:
         """Append ``block_ids`` (manager block ids) to the end of row ``row_idx``: a running
@@ -160,7 +142,7 @@ class BlockTable:
     def add_row(self, block_ids: BlockIds, row_idx: int) -> None:
         """Make row ``row_idx`` hold exactly ``block_ids``: a new (or resumed) request takes
         this batch position. Columns past the new count keep whatever they held (vLLM does not
-        clear them; only ``num_blocks_per_row`` says where the row ends, pitfall 18)."""
+        clear them; only ``num_blocks_per_row`` says where the row ends)."""
         kernel_ids = self._prepare_row_ids(block_ids, row_idx, start=0)
         self.num_blocks_per_row[row_idx] = 0
         self._write_row_ids(kernel_ids, row_idx, start=0)
@@ -176,7 +158,7 @@ class BlockTable:
     def move_row(self, src: int, tgt: int) -> None:
         """Copy row ``src``'s used columns into row ``tgt`` and give ``tgt`` the same count:
         condensing the batch moves the last request into a hole. The source row is left as it
-        was, and columns of ``tgt`` past the copied ones are not cleared (pitfall 18)."""
+        was, and columns of ``tgt`` past the copied ones are not cleared, as in vLLM."""
         self._check_row(src, "src")
         self._check_row(tgt, "tgt")
         num_blocks = int(self.num_blocks_per_row[src])
@@ -186,7 +168,7 @@ class BlockTable:
 
     def swap_row(self, src: int, tgt: int) -> None:
         """Exchange two rows, entirely (every column, not just the used ones), and their
-        counts: the batch is reordered (pitfall 18)."""
+        counts: the batch is reordered (stale columns travel with their row)."""
         self._check_row(src, "src")
         self._check_row(tgt, "tgt")
         # Fancy indexing reads both rows (a copy) before writing either, so this is a swap.
@@ -195,7 +177,7 @@ class BlockTable:
         self.block_table.np[src_tgt] = self.block_table.np[tgt_src]
 
     # ---- Slot mapping --------------------------------------------------------------------------
-    def compute_slot_mapping(self, req_indices: Any, positions: Any, *later_form: Any) -> None:
+    def compute_slot_mapping(self, req_indices: Any, positions: Any) -> None:
         """The KV-cache slot of every scheduled token, into ``slot_mapping.np[:num_tokens]``.
 
         Token ``t`` belongs to the request in batch row ``req_indices[t]`` and sits at position
@@ -205,12 +187,9 @@ class BlockTable:
         the first ``num_tokens`` to the GPU). With DCP, tokens another rank stores get
         ``PAD_SLOT_ID`` (-1).
 
-        Called with three arguments, ``compute_slot_mapping(num_reqs, query_start_loc,
-        positions)``, it is vLLM's later form: see ``compute_slot_mapping_from_query_start_loc``.
+        vLLM's later form, ``(num_reqs, query_start_loc, positions)``, is
+        ``compute_slot_mapping_from_query_start_loc``.
         """
-        if _is_later_form(later_form):
-            self.compute_slot_mapping_from_query_start_loc(req_indices, positions, later_form[0])
-            return
         slots = self._slot_ids(req_indices, positions, self.block_table.np)
         self.slot_mapping.np[:slots.shape[0]] = slots
 
@@ -222,7 +201,7 @@ class BlockTable:
         ``query_start_loc[i] .. query_start_loc[i+1] - 1``. Unlike the numpy form it reads the
         *committed* device table (call ``commit_block_table`` first) and writes only the device
         buffer, and it pads ``[num_tokens, max_num_batched_tokens)`` with ``PAD_SLOT_ID`` so a
-        CUDA graph captured for more tokens writes nothing for the padding (pitfall 19).
+        CUDA graph captured for more tokens writes nothing for the padding.
         Tokens no request covers are padded too (vLLM's kernel would leave them stale).
         """
         self.slot_mapping.gpu.copy_(torch.from_numpy(self._padded_slot_ids(num_reqs, query_start_loc, positions)))
@@ -314,9 +293,9 @@ class BlockTable:
         self.block_table.gpu.fill_(0)
         self.block_table.cpu.fill_(0)
 
-    # ---- Hybrid (kernel) blocks, spec §2.5 -----------------------------------------------------
+    # ---- Hybrid (kernel) blocks ---------------------------------------------------------------
     def _map_to_kernel_blocks(self, kv_manager_block_ids: np.ndarray) -> np.ndarray:
-        """Manager block ids to kernel block ids (the seed's instance form).
+        """Manager block ids to kernel block ids, for this table's ``blocks_per_kv_block``.
 
         With 32-token manager blocks and 16-token kernel blocks (bpk = 2), manager block b
         holds kernel blocks 2b and 2b+1, so ``[0, 1, 2]`` becomes ``[0, 1, 2, 3, 4, 5]`` and
@@ -392,12 +371,11 @@ class BlockTable:
 
 
 class MultiGroupBlockTable:
-    """One ``BlockTable`` per KV-cache group, driven together (spec §2.3).
+    """One ``BlockTable`` per KV-cache group, driven together (``vllm/v1/worker/block_table.py``).
 
     ``MultiGroupBlockTable(max_num_reqs, max_model_len, max_num_batched_tokens, pin_memory,
     device, block_sizes, kernel_block_sizes, num_speculative_tokens=0,
-    dcp_kv_cache_interleave_size=1, *, max_num_blocks=None, cp_kv_cache_interleave_size=None,
-    dcp_world_size=1, dcp_rank=0)``.
+    dcp_kv_cache_interleave_size=1, *, max_num_blocks=None, dcp_world_size=1, dcp_rank=0)``.
 
     Group ``i`` gets ``max_num_blocks[i]`` manager blocks per request; by default enough for
     ``max_model_len`` tokens, of which this DCP rank stores ``1/dcp_world_size``, and at least
@@ -405,26 +383,22 @@ class MultiGroupBlockTable:
     ``128 // block_size`` (for ``block_size <= 128``), as vLLM does for TRTLLM's kernels: with
     ``block_size=16``, ``max_model_len=1000`` gives 63 blocks, rounded to 64.
 
-    vLLM's later signature puts ``max_num_blocks`` eighth; a list given there is taken as
-    ``max_num_blocks``. Row operations take the same row for every group; ``append_row`` and
+    ``max_num_blocks`` is a keyword here (vLLM's later signature puts it eighth, positionally).
+    Row operations take the same row for every group; ``append_row`` and
     ``add_row`` take a tuple with one id list per group. Every fanned-out call checks all groups
     before it writes to any, so a bad call leaves every group as it was.
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int, pin_memory: bool,
                  device: Union[torch.device, str], block_sizes: Sequence[int], kernel_block_sizes: Sequence[int],
-                 num_speculative_tokens: Union[int, Sequence[int]] = 0, dcp_kv_cache_interleave_size: int = 1, *,
-                 max_num_blocks: Optional[Sequence[int]] = None,
-                 cp_kv_cache_interleave_size: Optional[int] = None, dcp_world_size: int = 1,
+                 num_speculative_tokens: int = 0, dcp_kv_cache_interleave_size: int = 1, *,
+                 max_num_blocks: Optional[Sequence[int]] = None, dcp_world_size: int = 1,
                  dcp_rank: int = 0) -> None:
-        if isinstance(num_speculative_tokens, (list, tuple)) and max_num_blocks is None:
-            # vLLM's later positional order: (..., kernel_block_sizes, max_num_blocks, ...).
-            max_num_blocks, num_speculative_tokens = num_speculative_tokens, 0
         max_model_len = check_int("max_model_len", max_model_len, minimum=1)
         num_speculative_tokens = check_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
-        interleave = _resolve_interleave(dcp_kv_cache_interleave_size, cp_kv_cache_interleave_size)
-        block_sizes = _check_int_list("block_sizes", block_sizes)
-        kernel_block_sizes = _check_int_list("kernel_block_sizes", kernel_block_sizes)
+        interleave = check_int("dcp_kv_cache_interleave_size", dcp_kv_cache_interleave_size, minimum=1)
+        block_sizes = check_int_list("block_sizes", block_sizes, 1)
+        kernel_block_sizes = check_int_list("kernel_block_sizes", kernel_block_sizes, 1)
         if len(kernel_block_sizes) != len(block_sizes):
             raise ValueError(f"kernel_block_sizes length ({len(kernel_block_sizes)}) "
                              f"must match block_sizes length ({len(block_sizes)})")
@@ -436,7 +410,7 @@ class MultiGroupBlockTable:
             # a block covers block_size * dcp_world_size of its positions.
             max_num_blocks = [max(cdiv(max_model_len, block_size * dcp_world_size), 1 + num_speculative_tokens)
                               for block_size in block_sizes]
-        max_num_blocks = _check_int_list("max_num_blocks", max_num_blocks)
+        max_num_blocks = check_int_list("max_num_blocks", max_num_blocks, 1)
         if len(max_num_blocks) != len(block_sizes):
             raise ValueError(f"max_num_blocks length ({len(max_num_blocks)}) "
                              f"must match block_sizes length ({len(block_sizes)})")
@@ -487,11 +461,8 @@ class MultiGroupBlockTable:
         for table in self.block_tables:
             table.swap_row(src, tgt)
 
-    def compute_slot_mapping(self, req_indices: Any, positions: Any, *later_form: Any) -> None:
+    def compute_slot_mapping(self, req_indices: Any, positions: Any) -> None:
         """Every group's slot mapping for the same tokens (each in its own block size)."""
-        if _is_later_form(later_form):
-            self.compute_slot_mapping_from_query_start_loc(req_indices, positions, later_form[0])
-            return
         # Compute every group's slots first: a position one group cannot hold fails the call
         # before any group's slot_mapping changes.
         all_slots = [t._slot_ids(req_indices, positions, t.block_table.np) for t in self.block_tables]
@@ -536,25 +507,6 @@ class MultiGroupBlockTable:
 
 
 # ---- Argument checks shared by both classes ------------------------------------------------------
-def _check_int_list(name: str, values: Any) -> list[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise TypeError(f"{name} must be a list of ints, got {values!r}")
-    return [check_int(f"{name}[{i}]", v, minimum=1) for i, v in enumerate(values)]
-
-
-def _resolve_interleave(dcp_value: Optional[int], cp_value: Optional[int]) -> int:
-    """The interleave size from either of its names (the seed's ``dcp_...`` or the later
-    ``cp_...``); 1 when neither is given."""
-    if cp_value is None:
-        value = 1 if dcp_value is None else dcp_value
-    elif dcp_value is None or (is_int(dcp_value) and dcp_value == 1) or dcp_value == cp_value:
-        value = cp_value
-    else:
-        raise TypeError(f"the interleave size was given twice: dcp_kv_cache_interleave_size={dcp_value!r} "
-                        f"and cp_kv_cache_interleave_size={cp_value!r}")
-    return check_int("cp_kv_cache_interleave_size", value, minimum=1)
-
-
 def _check_dcp(world_size: Any, rank: Any, interleave: Any, block_size: int) -> None:
     """DCP settings that give every token exactly one rank and one slot."""
     world_size = check_int("dcp_world_size", world_size, minimum=1)
@@ -562,7 +514,7 @@ def _check_dcp(world_size: Any, rank: Any, interleave: Any, block_size: int) -> 
         raise TypeError(f"dcp_rank must be an int, got {rank!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"dcp_rank must be between 0 and dcp_world_size - 1 = {world_size - 1}, got {rank}")
-    interleave = check_int("cp_kv_cache_interleave_size", interleave, minimum=1)
+    interleave = check_int("dcp_kv_cache_interleave_size", interleave, minimum=1)
     if world_size > 1 and block_size % interleave != 0:
         # Each rank must get exactly block_size tokens out of every virtual block; otherwise a
         # local offset could pass the end of its block and land in another request's block.

@@ -1,5 +1,5 @@
 """A tensor kept twice: on the host, where Python and numpy fill it cheaply, and on the device,
-where kernels read it (spec §2.1, ``vllm/v1/utils.py``).
+where kernels read it (``vllm/v1/utils.py``).
 
 vLLM's model runner prepares its per-step inputs (block tables, slot mappings, positions) on
 the CPU, through numpy, and then ships only the rows in use to the GPU with one asynchronous

@@ -48,9 +48,9 @@ _NUMPY_INT_RANGE = {
 }
 
 
-class UnsupportedDtypeError(ValueError, TypeError):
-    """A dtype a buffer cannot hold. vLLM raises ValueError("Unsupported dtype ..."); this
-    project raises TypeError for wrong types. This error is both, so either ``except`` works."""
+class UnsupportedDtypeError(ValueError):
+    """A dtype a buffer cannot hold (a ValueError, as vLLM's ``ValueError("Unsupported dtype
+    ...")``)."""
 
 
 def _shape_of(size: Size, name: str = "size") -> tuple[int, ...]:

@@ -8,9 +8,9 @@ from paged_attention.viz.kernels import (
     ThreadMapping, draw_decode_times, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
     v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
+from paged_attention.legacy.cpu_gpu_block_allocator import allocation_order, eviction_order, refcounts
 from paged_attention.viz.legacy import (
-    PhysicalBlock, allocation_order, draw_eviction_order, draw_hash_chain, draw_legacy_block_tables,
-    eviction_order, physical_blocks, refcounts, short_hash,
+    PhysicalBlock, draw_eviction_order, draw_hash_chain, draw_legacy_block_tables, physical_blocks, short_hash,
 )
 from paged_attention.viz.manager import (
     OwnerRun, draw_pool_over_time, draw_pools_over_time, draw_sharing_savings, event_steps, owner_runs,

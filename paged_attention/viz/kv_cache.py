@@ -1,4 +1,4 @@
-"""Drawings of notebook 05: from raw KV-cache bytes to per-layer views (spec §4).
+"""Drawings of notebook 05: from raw KV-cache bytes to per-layer views (``vllm/v1/worker/gpu_model_runner.py``).
 
 * ``kv_pages`` / ``draw_raw_to_views``: where each (K or V, block) page of a layer's view lies
   in its raw int8 buffer, read from the view's own strides;

@@ -11,8 +11,9 @@ check against the allocator itself:
 * ``draw_eviction_order``: the cached blocks nobody holds, in the order the LRU evictor gives
   them up (``eviction_order``).
 
-These read a few of the allocators' private fields (the free deque, the evictor's table, the
-prefix cache): what the drawings show is exactly the state the allocator will act on.
+The state they show comes from the allocators' public accessors and from the models kept next
+to them (``allocation_order``, ``eviction_order`` in ``legacy.cpu_gpu_block_allocator``): what
+the drawings show is exactly the state the allocator will act on.
 """
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ from typing import Any, Mapping, Sequence
 
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
-from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator, NullBlock
 from paged_attention.legacy.block_table import BlockTable
-from paged_attention.legacy.evictor import LRUEvictor
-from paged_attention.legacy.naive_block import NaiveBlockAllocator
+from paged_attention.legacy.cpu_gpu_block_allocator import (
+    CpuGpuBlockAllocator, NullBlock, allocation_order, eviction_order, gpu_allocator,
+)
 from paged_attention.legacy.prefix_caching_block import PrefixCachingBlock, PrefixCachingBlockAllocator
-from paged_attention.utils import Device
 from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, seq_color
 
 NULL_COLOR = "#555555"     # the sliding window's null block
@@ -36,54 +36,6 @@ _MASK64 = (1 << 64) - 1
 # --------------------------------------------------------------------------------------------
 # 1. The state the drawings show
 # --------------------------------------------------------------------------------------------
-
-
-def _gpu_allocator(allocator: Any) -> NaiveBlockAllocator | PrefixCachingBlockAllocator:
-    """The GPU's allocator of a ``CpuGpuBlockAllocator``, or a single-device allocator as is."""
-    if isinstance(allocator, CpuGpuBlockAllocator):
-        return allocator._allocators[Device.GPU]
-    if isinstance(allocator, (NaiveBlockAllocator, PrefixCachingBlockAllocator)):
-        return allocator
-    raise TypeError(f"allocator must be a CpuGpuBlockAllocator (or one device's NaiveBlockAllocator / "
-                    f"PrefixCachingBlockAllocator), got {type(allocator).__name__}")
-
-
-def eviction_order(evictor: Any) -> list[int]:
-    """The ids waiting in an LRU evictor, first to be evicted first.
-
-    Oldest ``last_accessed`` goes first; among equal times the block ending the longer prefix
-    (more ``num_hashed_tokens``: the tail of a chain before its head), then the lower block id,
-    then the lower hash. ``evictor`` is an ``LRUEvictor``, or a prefix-caching allocator (a
-    ``CpuGpuBlockAllocator``'s GPU side is read).
-    """
-    if not isinstance(evictor, LRUEvictor):
-        allocators = (CpuGpuBlockAllocator, PrefixCachingBlockAllocator)
-        if not isinstance(evictor, allocators) or not isinstance(_gpu_allocator(evictor), PrefixCachingBlockAllocator):
-            raise TypeError(f"evictor must be an LRUEvictor or a prefix-caching allocator, "
-                            f"got {type(evictor).__name__}")
-        evictor = _gpu_allocator(evictor).evictor
-    table = evictor.free_table
-    return sorted(table, key=lambda i: (table[i].last_accessed, -table[i].num_hashed_tokens, i,
-                                        table[i].content_hash))
-
-
-def allocation_order(allocator: Any) -> list[int]:
-    """The GPU ids a run of fresh (mutable) allocations would get, in order.
-
-    A naive allocator pops its free list from the left, and a freed id is pushed back on the
-    left, so the id freed last comes out first. A prefix-caching allocator uses its free list
-    first, then takes back cached blocks nobody holds, in eviction order.
-    """
-    gpu = _gpu_allocator(allocator)
-    if isinstance(gpu, PrefixCachingBlockAllocator):
-        return list(gpu._hashless_allocator._free_block_indices) + eviction_order(gpu.evictor)
-    return list(gpu._free_block_indices)
-
-
-def refcounts(allocator: Any) -> list[int]:
-    """The reference count of every GPU block, in id order (0: free, or cached and evictable)."""
-    gpu = _gpu_allocator(allocator)
-    return [gpu.refcounter.get(i) for i in sorted(gpu.all_block_ids)]
 
 
 def short_hash(content_hash: int | None, digits: int = 4) -> str:
@@ -129,7 +81,7 @@ def _checked_tables(tables: Any, allocator: Any) -> dict[str, BlockTable]:
             raise TypeError(f"table names must be str, got {name!r}")
         if not isinstance(table, BlockTable):
             raise TypeError(f"tables[{name!r}] must be a BlockTable, got {type(table).__name__}")
-        if table._allocator is not allocator:
+        if table.allocator is not allocator:
             raise ValueError(f"tables[{name!r}] allocates from another allocator than the one given")
     return dict(tables)
 
@@ -138,8 +90,8 @@ def physical_blocks(tables: Mapping[str, BlockTable], allocator: CpuGpuBlockAllo
     """Every GPU block, in id order: reference count, which tables hold it, whether it is free,
     the null block, or waiting in the evictor, and its place in the allocation order."""
     tables = _checked_tables(tables, allocator)
-    gpu = _gpu_allocator(allocator)
-    null_id = allocator._null_block.block_id if allocator._null_block is not None else None
+    gpu = gpu_allocator(allocator)
+    null_id = allocator.null_block.block_id if allocator.null_block is not None else None
     evictor = gpu.evictor if isinstance(gpu, PrefixCachingBlockAllocator) else None
     rank = {block_id: r for r, block_id in enumerate(allocation_order(allocator))}
     pool = {i: PhysicalBlock(i, gpu.refcounter.get(i), null=i == null_id,
@@ -201,8 +153,8 @@ def draw_legacy_block_tables(tables: Mapping[str, BlockTable], allocator: CpuGpu
     """
     tables = _checked_tables(tables, allocator)
     pool = physical_blocks(tables, allocator)
-    gpu = _gpu_allocator(allocator)
-    block_size = gpu._block_size
+    gpu = gpu_allocator(allocator)
+    block_size = gpu.block_size
     gpu_ids = {p.block_id: k for k, p in enumerate(pool)}
     colors = {name: seq_color(i) for i, name in enumerate(tables)}
 
@@ -348,9 +300,9 @@ def draw_hash_chain(blocks: Any, ax: Any = None) -> Any:
                 bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=MUTED_COLOR, lw=0.6))
         for j, block in enumerate(chain):
             x = j * pitch
-            allocator = block._allocator
+            allocator = block.allocator
             content_hash = block.content_hash
-            cached = content_hash is not None and content_hash in allocator._cached_blocks
+            cached = content_hash is not None and allocator.is_block_cached(block)
             refcount = allocator.refcounter.get(block.block_id) if block.block_id is not None else 0
             ax.add_patch(FancyBboxPatch((x, y), box_w, 0.5, boxstyle="round,pad=0.02",
                                         facecolor=color if cached else "white", alpha=0.5 if cached else 1.0,
@@ -392,7 +344,7 @@ def draw_eviction_order(allocator: Any, ax: Any = None) -> Any:
     ``allocator`` is a ``CpuGpuBlockAllocator`` (its GPU side is drawn) or a
     ``PrefixCachingBlockAllocator``.
     """
-    gpu = _gpu_allocator(allocator)
+    gpu = gpu_allocator(allocator)
     if not isinstance(gpu, PrefixCachingBlockAllocator):
         raise TypeError("only a prefix-caching allocator has an evictor; this one is naive")
     order = eviction_order(gpu.evictor)

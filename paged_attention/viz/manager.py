@@ -16,10 +16,9 @@ from typing import Any, Mapping, Sequence
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from paged_attention.legacy.fcfs import (
-    RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED, BlockOwner, StepRecord,
-)
-from paged_attention.sharing_sim import MODES, PAPER_SAVINGS, SharingSavings
+from paged_attention.legacy.records import RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED, BlockOwner, StepRecord
+from paged_attention.legacy.sharing_sim import MODES, PAPER_SAVINGS, SharingSavings
+from paged_attention.utils import check_int
 from paged_attention.viz.legacy import SHARED_HATCH
 from paged_attention.viz.style import EDGE_COLOR, PAPER_COLOR, SEQ_COLORS, new_axes
 
@@ -151,8 +150,7 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
     """
     history = _checked_history(history)
     device = _device(device)
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+    num_blocks = check_int("num_blocks", num_blocks, 0)
     runs = owner_runs(history, device)
     too_high = [r.block_id for r in runs if r.block_id >= num_blocks]
     if too_high:

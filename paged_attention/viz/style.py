@@ -9,7 +9,7 @@ import math
 from numbers import Real
 from typing import Any
 
-from paged_attention.utils import is_int
+from paged_attention.utils import check_int, is_int
 
 # The four kinds of KV-cache memory (keys match ``memory_sim.CATEGORIES``).
 CATEGORY_COLORS: dict[str, str] = {
@@ -67,9 +67,12 @@ def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
 
 
 def positive_int(name: str, value: Any) -> int:
-    if not is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    """A size a drawing takes: an int >= 1 (``utils.check_int``). A drawing refuses a wrong size
+    of any kind with a ValueError: to its reader a size of 2.5 is a wrong value."""
+    try:
+        return check_int(name, value, 1)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def int_list(value: Any, name: str) -> list[int]:
@@ -87,9 +90,9 @@ def int_list(value: Any, name: str) -> list[int]:
 def positive_int_list(value: Any, name: str) -> list[int]:
     """``int_list``, which must also be non-empty and hold only positive ints (sizes on an axis)."""
     values = int_list(value, name)
-    if not values or min(values) <= 0:
+    if not values:
         raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
-    return values
+    return [check_int(f"{name}[{k}]", v, 1) for k, v in enumerate(values)]
 
 
 def snapshot_list(snapshots: Any, kind: type, made_by: str) -> list:

@@ -3,7 +3,7 @@
 * ``snapshot_rows`` + ``draw_row_history``: the table's rows over several steps, as requests
   arrive, grow, finish and are moved (``add_row``, ``append_row``, ``clear_row``, ``move_row``,
   ``swap_row``). Columns a row counts (``num_blocks_per_row``) are coloured by their request;
-  ids left past the count (stale, pitfall 18) are hatched; ``cell_kinds`` says which is which.
+  ids left past the count (stale: vLLM does not clear them) are hatched; ``cell_kinds`` says which is which.
 * ``draw_slot_mapping_arrows``: one step's tokens in batch order, grouped by request (prefill
   or decode, ``request_kinds``), each with an arrow to the KV-cache slot it is written to.
 * ``draw_dcp_ownership``: with decode context parallelism, which rank stores which position,
@@ -88,7 +88,7 @@ def cell_kinds(snapshot: RowsSnapshot) -> list[list[str]]:
     * ``"left_over"``: counted, but no request sits in the row (``move_row`` copies a row and
       leaves its source, count included, as it was);
     * ``"stale"``: past the count but not zero: an id an earlier request left behind, which
-      ``add_row``, ``move_row`` and ``swap_row`` do not clear (pitfall 18);
+      ``add_row``, ``move_row`` and ``swap_row`` do not clear (nor does vLLM);
     * ``"empty"``: past the count and zero.
     """
     if not isinstance(snapshot, RowsSnapshot):

@@ -28,8 +28,9 @@ from collections.abc import Iterable, Sequence as SequenceT
 from dataclasses import dataclass
 
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
-from paged_attention.legacy.fcfs import draw_length
+from paged_attention.legacy.workload import draw_length
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_attention.utils import check_int
 
 MODES: tuple[str, ...] = ("parallel", "beam")
 
@@ -179,7 +180,7 @@ def sharing_savings(n_values: Iterable[int], mode: str = "parallel", *, num_requ
     """The memory sharing saves for each ``n`` in ``n_values`` (samples, or beams for ``"beam"``).
 
     Every ``n`` runs the same ``num_requests`` synthetic requests (lengths drawn as in
-    ``fcfs.synthetic_workload``, with the Alpaca trace's means by default); in parallel sampling
+    ``workload.synthetic_workload``, with the Alpaca trace's means by default); in parallel sampling
     each sample draws its own output length, in beam search every beam runs for the request's.
     """
     if mode not in MODES:
@@ -189,12 +190,10 @@ def sharing_savings(n_values: Iterable[int], mode: str = "parallel", *, num_requ
     n_values = list(n_values)
     if not n_values or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in n_values):
         raise ValueError(f"n_values must be a non-empty list of ints >= 1, got {n_values!r}")
-    for name, value in (("num_requests", num_requests), ("block_size", block_size), ("max_len", max_len),
-                        ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < (0 if name == "seed" else 2 if name == "max_len" else 1):
-            raise ValueError(f"{name} is out of range: {value}")
+    check_int("num_requests", num_requests, 1)
+    check_int("block_size", block_size, 1)
+    check_int("max_len", max_len, 2)
+    check_int("seed", seed, 0)
     for name, value in (("mean_prompt_len", mean_prompt_len), ("mean_output_len", mean_output_len)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")

@@ -1,0 +1,352 @@
+"""A small first-come-first-served scheduler over the legacy block manager.
+
+vLLM V0's scheduler asked the block manager its questions once per step; this is the least of it
+that shows what the answers do to memory. Sequence groups wait in arrival order; the scheduler
+keeps a *running* list and a *swapped* list, and each ``schedule()``:
+
+1. **decodes** every running group: if ``can_append_slots`` says a group cannot grow by its new
+   tokens, the most recently arrived running group is preempted, by swapping it out to the CPU
+   (``can_swap_out``) or else by *recomputation* (its blocks are freed and it waits again, to be
+   prefilled anew), until it can; then ``append_slots`` for each of its sequences, collecting the
+   copy-on-write pairs;
+2. **swaps in** swapped groups, oldest first, while ``can_swap_in`` is OK (only in a step that
+   preempted nothing, as in V0: memory was just too short);
+3. **admits** waiting groups in arrival order while ``can_allocate`` is OK, stopping at the first
+   LATER (first come, first served: nobody overtakes) and dropping a NEVER; not while a group is
+   still swapped out (it came first) nor in a step that preempted one;
+4. under prefix caching, marks the scheduled tokens' blocks as computed (each group's chunk).
+
+This is V0's order (``_schedule_default``: running, then swapped, then waiting). Unlike V0, which ran
+prefills in steps of their own, a step here decodes the running groups *and* prefills the newly
+admitted ones. The scheduler keeps no token budget and no batch limit: the only limit is memory.
+
+``schedule()`` returns a ``StepRecord`` (``records``): what a model runner needs (the groups to
+run with their token counts, the blocks to swap in, swap out and copy) and what happened. The
+scheduler knows no model: whoever runs one (an engine, or the simulation in ``workload``) hands
+back each sequence's sampled token and which sequences stopped, through ``update``.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Mapping
+
+from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
+from paged_attention.legacy.block_table import BlockTable
+from paged_attention.legacy.interfaces import AllocStatus
+from paged_attention.legacy.records import (
+    ABORTED, ADMITTED, COPY_ON_WRITE, FINISHED, IGNORED, RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED,
+    BlockOwner, Event, ScheduledSequenceGroup, StepRecord,
+)
+from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_attention.utils import Device
+
+__all__ = ["FcfsScheduler"]
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
+class FcfsScheduler:
+    """First come, first served over a ``SelfAttnBlockSpaceManager`` (see the module docstring).
+
+    ``preemption_mode``: ``"swap"`` (the default) swaps a victim out when the CPU has room and
+    recomputes it otherwise; ``"recompute"`` recomputes whenever it can (vLLM V0's default).
+    Only a group with a single running sequence can be recomputed (its samples would otherwise
+    be re-forked from one of them); a group of several samples that cannot be swapped out is
+    aborted, as V0 did ("not enough CPU swap space"). A swapped group that cannot come back even
+    to an otherwise empty GPU (the naive allocator does not keep the samples' sharing across a
+    swap, so they may come back larger) is aborted too.
+
+    Each step: ``add_seq_group`` for the groups that arrived, ``schedule()``, run the model on
+    the record, then ``update(record, sampled_token_ids, finished_seq_ids)``.
+    """
+
+    def __init__(self, block_manager: SelfAttnBlockSpaceManager, *, preemption_mode: str = "swap"):
+        if not isinstance(block_manager, SelfAttnBlockSpaceManager):
+            raise TypeError(f"block_manager must be a SelfAttnBlockSpaceManager, got {type(block_manager).__name__}")
+        if block_manager.max_block_sliding_window is not None:
+            raise ValueError("this scheduler does not model sliding windows (it keeps no computed-slot counts "
+                             "for them): use a manager without sliding_window")
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}")
+        if block_manager.block_tables:
+            raise ValueError("the block manager already holds block tables: give the scheduler a fresh one")
+
+        self.block_manager = block_manager
+        self.preemption_mode = preemption_mode
+        self.block_size = block_manager.block_size
+        self.groups: dict[str, SequenceGroup] = {}          # every group ever added, by request id
+        self._order: dict[str, int] = {}                      # request id -> arrival rank
+        self._request_of: dict[int, str] = {}                 # seq id -> request id
+        self.now = 0                                          # the next step's number
+        self.waiting: list[str] = []                          # request ids, arrival order
+        self.running: list[str] = []
+        self.swapped: list[str] = []
+        self.done_ids: list[str] = []                         # finished, ignored or aborted
+        self.history: list[StepRecord] = []
+
+    # ---- the queues -------------------------------------------------------------------------------
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        """A group arrives: it waits behind every group added before it."""
+        if not isinstance(seq_group, SequenceGroup):
+            raise TypeError(f"seq_group must be a SequenceGroup, got {type(seq_group).__name__}")
+        rid = seq_group.request_id
+        if rid in self.groups:
+            raise ValueError(f"request {rid!r} was already added")
+        seqs = seq_group.get_seqs()
+        if any(seq.seq_id in self._request_of for seq in seqs):
+            raise ValueError(f"request {rid!r} reuses a seq_id of an earlier request")
+        if any(seq.status != SequenceStatus.WAITING for seq in seqs):
+            raise ValueError(f"request {rid!r} has sequences that are not WAITING")
+        self.groups[rid] = seq_group
+        self._order[rid] = len(self._order)
+        self._request_of.update((seq.seq_id, rid) for seq in seqs)
+        self._insert(self.waiting, rid)
+
+    def _insert(self, queue: list[str], request_id: str) -> None:
+        """Put a request into a queue at its arrival position."""
+        keys = [self._order[r] for r in queue]
+        queue.insert(bisect.bisect(keys, self._order[request_id]), request_id)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def events(self) -> list[Event]:
+        """Every step's events, in order."""
+        return [e for record in self.history for e in record.events]
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> StepRecord:
+        """Decide this step: decodes (preempting if memory is short), swap-ins, admissions."""
+        if self.history and self.history[-1].step == self.now:
+            raise RuntimeError("schedule() was called twice: call update(record) after each schedule()")
+        mgr = self.block_manager
+        record = StepRecord(step=self.now)
+
+        # 1. Decode the running groups, oldest first; preempt from the newest end when short.
+        preempted = False
+        queue = list(self.running)
+        self.running = []
+        while queue:
+            rid = queue.pop(0)
+            group = self.groups[rid]
+            while not mgr.can_append_slots(group, num_lookahead_slots=0):
+                victim = queue.pop() if queue else rid       # the most recently arrived one
+                self._preempt(self.groups[victim], record)
+                preempted = True
+                if victim == rid:
+                    break
+            else:
+                self._append_slots(group, record)
+                record.decodes.append(group)
+                self.running.append(rid)
+
+        # 2. Swap groups back in, oldest first, unless this step was short of memory.
+        if not preempted:
+            while self.swapped:
+                rid = self.swapped[0]
+                group = self.groups[rid]
+                status = mgr.can_swap_in(group, num_lookahead_slots=0)
+                if status == AllocStatus.OK:
+                    self.swapped.pop(0)
+                    self._swap_in(group, record)
+                    continue
+                if status == AllocStatus.NEVER or not self.running:
+                    # Even a GPU with nothing else on it would not take it back.
+                    self.swapped.pop(0)
+                    self._abort(group, record, "cannot be swapped back in: too large for the GPU")
+                    continue
+                break                                        # LATER: the others wait behind it
+
+        # 3. Admit waiting groups in arrival order.
+        if not preempted and not self.swapped:
+            while self.waiting:
+                rid = self.waiting[0]
+                group = self.groups[rid]
+                status = mgr.can_allocate(group)
+                if status == AllocStatus.NEVER:
+                    self.waiting.pop(0)
+                    self._ignore(group, record)
+                    continue
+                if status == AllocStatus.LATER:
+                    need = self._num_required_blocks(group)
+                    free = mgr.get_num_free_gpu_blocks()
+                    on_watermark = free >= need
+                    why = "only the watermark holds it back" if on_watermark else "not enough free blocks"
+                    record.events.append(Event(self.now, WAITED, rid,
+                                               f"needs {_blocks(need)}, {free} free, watermark "
+                                               f"{mgr.watermark_blocks}: {why}", num_blocks=need,
+                                               on_watermark=on_watermark))
+                    break
+                self.waiting.pop(0)
+                self._admit(group, record)
+                self._insert(self.running, rid)
+
+        # 4. What the model runs: each group's chunk, the tokens its sequences have not computed.
+        for group, is_prefill in [(g, True) for g in record.prefills] + [(g, False) for g in record.decodes]:
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            chunk = max((seq.get_len() - seq.data.get_num_computed_tokens() for seq in seqs), default=0)
+            record.scheduled_seq_groups.append(ScheduledSequenceGroup(
+                group, chunk, is_prefill, record.num_cached_tokens.get(group.request_id, 0)))
+            record.num_batched_tokens += chunk * len(seqs)
+
+        # Prefix caching: the scheduled blocks count as computed from now on (as in V0, where
+        # the scheduler did this once it had scheduled them), and every running sequence is
+        # stamped with this step's time, for the evictor's LRU order once it is freed.
+        if mgr.enable_caching:
+            for rid in self.running:
+                for seq in self.groups[rid].get_seqs(SequenceStatus.RUNNING):
+                    mgr.access_all_blocks_in_seq(seq, float(self.now))
+            for scheduled in record.scheduled_seq_groups:
+                mgr.mark_blocks_as_computed(scheduled.seq_group, token_chunk_size=scheduled.token_chunk_size)
+
+        record.running, record.swapped, record.waiting = list(self.running), list(self.swapped), list(self.waiting)
+        record.gpu_owners, record.cpu_owners = self._owners()
+        record.num_free_gpu_blocks = mgr.get_num_free_gpu_blocks()
+        record.num_free_cpu_blocks = mgr.get_num_free_cpu_blocks()
+        self.history.append(record)
+        return record
+
+    def update(self, record: StepRecord, sampled_token_ids: Mapping[int, int],
+               finished_seq_ids: Collection[int] = ()) -> list[Sequence]:
+        """The model has run ``record``: each scheduled sequence has its chunk computed and
+        appends its sampled token (``sampled_token_ids``: seq id -> token; a sequence missing
+        there computed part of a prefill and samples nothing yet). The sequences in
+        ``finished_seq_ids`` (the caller's stop check: an output length, an end token) finish
+        and are freed. Returns those."""
+        if not self.history or record is not self.history[-1] or record.step != self.now:
+            raise ValueError("update() takes the record the last schedule() returned, once")
+        mgr = self.block_manager
+        for scheduled in record.scheduled_seq_groups:
+            group = scheduled.seq_group
+            for sample, seq in enumerate(group.get_seqs()):
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                seq.data.update_num_computed_tokens(scheduled.token_chunk_size)
+                if seq.seq_id in sampled_token_ids:
+                    seq.append_token_id(sampled_token_ids[seq.seq_id])
+                if seq.seq_id in finished_seq_ids:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                    mgr.free(seq)
+                    record.finished.append(seq)
+                    record.events.append(Event(self.now, FINISHED, group.request_id,
+                                               f"sample {sample}: {seq.get_len() - seq.get_prompt_len()} tokens generated"))
+            if group.is_finished() and group.request_id in self.running:
+                self.running.remove(group.request_id)
+                self.done_ids.append(group.request_id)
+        self.now += 1
+        return record.finished
+
+    # ---- what the steps do ------------------------------------------------------------------------
+    def _num_required_blocks(self, group: SequenceGroup) -> int:
+        """The blocks ``can_allocate`` counts: the first waiting sequence's tokens, unshared."""
+        return BlockTable.get_num_required_blocks(group.get_seqs(SequenceStatus.WAITING)[0].get_token_ids(),
+                                                  self.block_size)
+
+    def _admit(self, group: SequenceGroup, record: StepRecord) -> None:
+        mgr = self.block_manager
+        free_before = mgr.get_num_free_gpu_blocks()
+        mgr.allocate(group)
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        cached = mgr.get_num_cached_tokens(seqs[0]) if mgr.enable_caching else 0
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        record.prefills.append(group)
+        record.num_cached_tokens[group.request_id] = cached
+        taken = free_before - mgr.get_num_free_gpu_blocks()
+        detail = f"{seqs[0].get_len()} tokens, {len(seqs)} sample{'s' if len(seqs) > 1 else ''}: {_blocks(taken)}"
+        if mgr.enable_caching:
+            detail += f"; {cached} tokens found in the prefix cache"
+        record.events.append(Event(self.now, ADMITTED, group.request_id, detail, num_blocks=taken))
+
+    def _ignore(self, group: SequenceGroup, record: StepRecord) -> None:
+        """``can_allocate`` said NEVER: the prompt does not fit even an empty GPU."""
+        mgr = self.block_manager
+        need = self._num_required_blocks(group)
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            seq.status = SequenceStatus.FINISHED_IGNORED
+        self.done_ids.append(group.request_id)
+        record.events.append(Event(self.now, IGNORED, group.request_id,
+                                   f"needs {_blocks(need)}; the GPU has {mgr.num_total_gpu_blocks} "
+                                   f"(watermark {mgr.watermark_blocks})", num_blocks=need))
+
+    def _swap_in(self, group: SequenceGroup, record: StepRecord) -> None:
+        """Bring a swapped group back to the GPU; it decodes this step."""
+        pairs = self.block_manager.swap_in(group)
+        for seq in group.get_seqs(SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+        record.blocks_to_swap_in.extend(pairs)
+        record.events.append(Event(self.now, SWAPPED_IN, group.request_id, f"{_blocks(len(pairs))} CPU → GPU",
+                                   pairs=tuple(pairs), num_blocks=len(pairs)))
+        self._append_slots(group, record)
+        record.decodes.append(group)
+        self._insert(self.running, group.request_id)
+
+    def _append_slots(self, group: SequenceGroup, record: StepRecord) -> None:
+        for sample, seq in enumerate(group.get_seqs()):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            pairs = self.block_manager.append_slots(seq, num_lookahead_slots=0)
+            if pairs:
+                record.blocks_to_copy.extend(pairs)
+                record.events.append(Event(self.now, COPY_ON_WRITE, group.request_id,
+                                           f"sample {sample}: " + ", ".join(f"{s} → {d}" for s, d in pairs),
+                                           pairs=tuple(pairs), num_blocks=len(pairs)))
+
+    def _preempt(self, group: SequenceGroup, record: StepRecord) -> None:
+        mgr = self.block_manager
+        rid = group.request_id
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        can_swap = mgr.can_swap_out(group)
+        if can_swap and (self.preemption_mode == "swap" or len(running) > 1):
+            pairs = mgr.swap_out(group)
+            for seq in running:
+                seq.status = SequenceStatus.SWAPPED
+            record.blocks_to_swap_out.extend(pairs)
+            record.events.append(Event(self.now, SWAPPED_OUT, rid, f"{_blocks(len(pairs))} GPU → CPU",
+                                       pairs=tuple(pairs), num_blocks=len(pairs)))
+            self._insert(self.swapped, rid)
+        elif len(running) == 1:
+            seq = running[0]
+            free_before = mgr.get_num_free_gpu_blocks()
+            mgr.free(seq)
+            seq.data.reset_state_for_recompute()
+            seq.status = SequenceStatus.WAITING
+            record.recomputed.append(group)
+            record.events.append(Event(self.now, RECOMPUTED, rid,
+                                       f"{_blocks(mgr.get_num_free_gpu_blocks() - free_before)} freed; "
+                                       f"{seq.get_len()} tokens to prefill again",
+                                       num_blocks=mgr.get_num_free_gpu_blocks() - free_before))
+            self._insert(self.waiting, rid)
+        else:
+            self._abort(group, record, f"{len(running)} samples and no room on the CPU to swap them out")
+
+    def _abort(self, group: SequenceGroup, record: StepRecord, why: str) -> None:
+        for seq in group.get_seqs():
+            if not seq.is_finished():
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.FINISHED_ABORTED
+        self.done_ids.append(group.request_id)
+        record.events.append(Event(self.now, ABORTED, group.request_id, why))
+
+    # ---- who owns which block ---------------------------------------------------------------------
+    def _owners(self) -> tuple[dict[int, BlockOwner], dict[int, BlockOwner]]:
+        """Device-relative block id -> owner, for the GPU and the CPU, from the live tables."""
+        mgr = self.block_manager
+        num_gpu = mgr.num_total_gpu_blocks
+        holders: dict[int, list[str]] = {}
+        for seq_id, table in mgr.block_tables.items():
+            rid = self._request_of[seq_id]
+            for block_id in table.physical_block_ids:
+                holders.setdefault(block_id, []).append(rid)
+        gpu, cpu = {}, {}
+        for block_id in sorted(holders):
+            rids = tuple(sorted(set(holders[block_id]), key=self._order.get))
+            owner = BlockOwner(rids, len(holders[block_id]))
+            if block_id < num_gpu:
+                gpu[block_id] = owner
+            else:
+                cpu[mgr.block_allocator.get_physical_block_id(Device.CPU, block_id)] = owner
+        return gpu, cpu
