@@ -152,19 +152,23 @@ def seq_len_bound(value: object, longest: int) -> int:
 
 def contiguous(why: str, **tensors: torch.Tensor) -> None:
     """Refuse a view whose memory is not the plain row-major layout: for kernels that index a
-    tensor by its shape alone, and for tensors they write (a contiguous copy would lose the write)."""
+    tensor by its shape alone, and for tensors they write (a contiguous copy would lose the write).
+
+    The view itself is valid (the reference and Triton take it), so this is a limit of the
+    implementation named in ``why``: ``KernelUnavailable``, not a ``ValueError``."""
     for name, t in tensors.items():
         if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for {why} (got shape {list(t.shape)}, "
+            raise KernelUnavailable(f"{name} must be contiguous for {why} (got shape {list(t.shape)}, "
                              f"strides {list(t.stride())})")
 
 
 def rows_of_heads(why: str, **tensors: torch.Tensor) -> None:
     """``[tokens, heads, head_size]`` whose heads lie back to back within a token (any token
-    stride): kernels that read a token's ``heads * head_size`` elements as one run need it."""
+    stride): kernels that read a token's ``heads * head_size`` elements as one run need it. Like
+    :func:`contiguous`, a limit of one implementation (``KernelUnavailable``)."""
     for name, t in tensors.items():
         if t.stride(2) != 1 or (t.size(1) > 1 and t.stride(1) != t.size(2)):
-            raise ValueError(f"{name} must have contiguous heads within each token (strides [*, {t.size(2)}, 1]) "
+            raise KernelUnavailable(f"{name} must have contiguous heads within each token (strides [*, {t.size(2)}, 1]) "
                              f"for {why}, got {list(t.stride())}")
 
 

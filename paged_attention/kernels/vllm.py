@@ -179,7 +179,7 @@ def reshape_and_cache_flash(
                                        k_scale, v_scale)
     slots, ks, vs = _to_kernel(key, value, slot_mapping, k_scale, v_scale)
     if key_cache.stride() != value_cache.stride():
-        raise ValueError(f"key_cache and value_cache must have the same strides for vLLM's kernels, got "
+        raise KernelUnavailable(f"key_cache and value_cache must have the same strides for vLLM's kernels, got "
                          f"{list(key_cache.stride())} and {list(value_cache.stride())}")
     ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, kv_cache_dtype, ks, vs)
 
