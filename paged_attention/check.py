@@ -22,7 +22,7 @@ import torch
 from paged_attention import runtime
 from paged_attention.kernels import KernelUnavailable, args
 from paged_attention.kernels import reference as ref
-from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
+from paged_attention.kernels.workloads import assert_close_to_oracle, every_other, make_decode_problem
 
 KERNELS = ("reshape_and_cache", "reshape_and_cache_flash", "copy_blocks", "swap_blocks",
            "paged_attention_v1", "paged_attention_v2", "paged_attention_decode")
@@ -47,18 +47,6 @@ def _new_tokens(num_tokens, num_heads, head_size, num_slots, dtype, seed=0):
     slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
     slots[num_tokens // 2] = -1
     return key, value, slots.to(runtime.DEVICE)
-
-
-def _every_other(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
-    """``t`` as every other entry along ``dim`` of a tensor twice as long whose other entries
-    hold ``fill``: the same values through a strided view, for kernels that must honour strides."""
-    shape = list(t.shape)
-    shape[dim] *= 2
-    index = [slice(None)] * t.dim()
-    index[dim] = slice(None, None, 2)
-    view = torch.full(shape, fill, dtype=t.dtype, device=t.device)[tuple(index)]
-    view.copy_(t)
-    return view
 
 
 def check_reshape_and_cache(impl) -> None:
@@ -92,7 +80,7 @@ def check_reshape_and_cache_flash(impl) -> None:
             # Only the first 16 tokens have slots: the rest of `key` is padding and must be ignored.
             # HND also takes the slots as a strided view (its gaps say "skip": a kernel that
             # ignores the stride writes too little).
-            given = slots[:16] if layout == "NHD" else _every_other(slots[:16], 0, -1)
+            given = slots[:16] if layout == "NHD" else every_other(slots[:16], 0, -1)
             impl.reshape_and_cache_flash(key, value, caches[0], caches[1], given, "auto", _one(), _one())
             for t, s in enumerate(slots[:16].tolist()):
                 if s >= 0:
@@ -168,10 +156,10 @@ def check_paged_attention_decode(impl) -> None:
             expected = ref.ref_decode_attention(*p.decode_args())
             if strided:
                 # Index tensors as strided views, their gaps holding wrong (but in-range) values.
-                p.block_tables = _every_other(p.block_tables, 1, 0)
-                p.seq_lens = _every_other(p.seq_lens, 0, 1)
+                p.block_tables = every_other(p.block_tables, 1, 0)
+                p.seq_lens = every_other(p.seq_lens, 0, 1)
                 if alibi:
-                    p.alibi_slopes = _every_other(p.alibi_slopes, 0, 0.0)
+                    p.alibi_slopes = every_other(p.alibi_slopes, 0, 0.0)
             out = torch.empty_like(p.query)
             impl.paged_attention_decode(out, *p.decode_args(), num_splits=splits)
             assert_close_to_oracle(out, expected, "paged_attention_decode")

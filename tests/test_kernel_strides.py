@@ -26,7 +26,7 @@ from paged_attention.kernels import cuda as ck
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels import triton as tk
 from paged_attention.kernels import KernelUnavailable, vllm
-from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
+from paged_attention.kernels.workloads import assert_close_to_oracle, every_other, make_decode_problem
 
 FOUND_VLLM = vllm.available()[0] if runtime.HAS_CUDA else False
 needs_vllm = pytest.mark.skipif(not FOUND_VLLM, reason="vLLM's kernels not available")
@@ -36,17 +36,6 @@ WRITTEN_FILL = 7.0            # what the gaps of a written view hold, and must s
 # --------------------------------------------------------------------------------------------
 # Views with the same values through other strides
 # --------------------------------------------------------------------------------------------
-
-def every_other(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
-    """``t`` as every other entry along ``dim`` of a tensor twice as long; the gaps hold ``fill``."""
-    shape = list(t.shape)
-    shape[dim] *= 2
-    index = [slice(None)] * t.dim()
-    index[dim] = slice(None, None, 2)
-    view = torch.full(shape, fill, dtype=t.dtype, device=t.device)[tuple(index)]
-    view.copy_(t)
-    return view
-
 
 def reversed_memory(t: torch.Tensor) -> torch.Tensor:
     """``t`` stored with its dimensions in reverse order (a 2-D tensor: column-major)."""

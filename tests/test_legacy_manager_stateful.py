@@ -72,7 +72,6 @@ are now asserted:
 """
 import sys
 from collections import Counter
-from dataclasses import astuple
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -86,6 +85,8 @@ from paged_attention.legacy.interfaces import BlockAllocator
 from paged_attention.legacy.prefix_caching_block import PrefixCachingBlock
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device, cdiv
+
+from legacy_state import allocator_state
 
 GPU, CPU = Device.GPU, Device.CPU
 WAITING, RUNNING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED
@@ -197,16 +198,7 @@ class ManagerMachine(RuleBasedStateMachine):
                  None if a._null_block is None else a._null_block.block_id,
                  dict(mgr._last_access_blocks_tracker._seq_last_access), dict(mgr.cross_block_tables)]
         for device in (GPU, CPU):
-            inner = a._allocators[device]
-            state += [{i: inner.refcounter.get(i) for i in inner.all_block_ids},
-                      list(inner._cow_tracker._copy_on_writes)]
-            if self.enable_caching:
-                state += [list(inner._hashless_allocator._free_block_indices), dict(inner._cached_blocks),
-                          {i: astuple(m) for i, m in inner.evictor.free_table.items()}, set(inner._touched_blocks),
-                          {i: (t.active, t.last_accessed, t.computed) for i, t in inner._block_tracker.items()},
-                          astuple(inner.metric_data)]
-            else:
-                state.append(list(inner._free_block_indices))
+            state += allocator_state(a._allocators[device])
         state.append({sid: (list(t.physical_block_ids), [list(b.token_ids) for b in t.blocks], t.num_full_slots,
                             [id(b) for b in t.blocks]) for sid, t in mgr.block_tables.items()})
         return state

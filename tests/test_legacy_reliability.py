@@ -18,28 +18,17 @@ from paged_attention.legacy.prefix_caching_block import PrefixCachingBlock, Pref
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device
 
+from legacy_state import allocator_state
+
 GPU, CPU = Device.GPU, Device.CPU
 RUNNING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.SWAPPED
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
 
-def _allocator_state(inner):
-    """Everything one device's allocator holds."""
-    state = [inner.get_num_free_blocks(), {i: inner.refcounter.get(i) for i in inner.all_block_ids},
-             list(inner._cow_tracker._copy_on_writes), list(inner._block_pool._free_ids)]
-    if isinstance(inner, PrefixCachingBlockAllocator):
-        state += [list(inner._hashless_allocator._free_block_indices), dict(inner._cached_blocks),
-                  {i: astuple(m) for i, m in inner.evictor.free_table.items()}, set(inner._touched_blocks),
-                  {i: (t.active, t.last_accessed, t.computed) for i, t in inner._block_tracker.items()},
-                  astuple(inner.metric_data)]
-    else:
-        state.append(list(inner._free_block_indices))
-    return state
-
 
 def _device_state(a):
-    return [_allocator_state(a._allocators[d]) for d in (GPU, CPU)] + [dict(a._swap_mapping)]
+    return [allocator_state(a._allocators[d]) for d in (GPU, CPU)] + [dict(a._swap_mapping)]
 
 
 def _table_state(t):
@@ -227,7 +216,7 @@ def test_the_allocator_alone_still_marks_every_new_block_when_given_no_ids():
     assert [a.block_is_computed(b.block_id) for b in blocks] == [False, True]
     a.mark_blocks_as_computed([])                     # vLLM's call: every block cached so far
     assert [a.block_is_computed(b.block_id) for b in blocks] == [True, True]
-    state = lambda: _allocator_state(a)
+    state = lambda: allocator_state(a)
     _refused(state, lambda: a.mark_blocks_as_computed([0, 99]), KeyError)
     _refused(state, lambda: a.mark_blocks_as_computed([0, 3]), ValueError, "free")   # never allocated
     _refused(state, lambda: a.mark_blocks_as_computed("01"), TypeError)
@@ -281,7 +270,7 @@ def test_freeing_an_id_where_a_block_is_expected_changes_nothing(make):
     b = a.allocate_immutable_blocks(None, [[1, 2, 3, 4]])[0]
     m = a.allocate_mutable_block(b)
     m.append_token_ids([5])
-    state = lambda: (_allocator_state(a), b.block_id, m.block_id, list(m.token_ids))
+    state = lambda: (allocator_state(a), b.block_id, m.block_id, list(m.token_ids))
     for bad in (b.block_id, None, "0", [b]):
         _refused(state, lambda: a.free(bad), TypeError)
         _refused(state, lambda: a.fork(bad), TypeError)

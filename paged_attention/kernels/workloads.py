@@ -122,3 +122,16 @@ def assert_close_to_oracle(out: torch.Tensor, expected: torch.Tensor, what: str 
     atol, rtol = TOLERANCES[out.dtype]
     torch.testing.assert_close(out.double(), expected.double().to(out.device), atol=atol, rtol=rtol,
                                msg=lambda m: f"{what} ({out.dtype}) differs from the float64 oracle: {m}")
+
+
+def every_other(t: torch.Tensor, dim: int, fill) -> torch.Tensor:
+    """``t`` as every other entry along ``dim`` of a tensor twice as long whose other entries
+    hold ``fill``: the same values through a strided view, to show that a kernel honours strides
+    (a kernel that reads the gaps sees ``fill``)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    index = [slice(None)] * t.dim()
+    index[dim] = slice(None, None, 2)
+    view = torch.full(shape, fill, dtype=t.dtype, device=t.device)[tuple(index)]
+    view.copy_(t)
+    return view

@@ -82,23 +82,23 @@ def check_token_ids(name: str, token_ids: object) -> list[int]:
             raise TypeError(f"{name} must be a 1-d array of integers, got dtype {token_ids.dtype} with "
                             f"{token_ids.ndim} dimensions")
         return token_ids.tolist()
-    if not isinstance(token_ids, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list of ints, got {type(token_ids).__name__}")
-    for token in token_ids:
-        if not is_int(token):
-            raise TypeError(f"{name} must hold ints only, got {token!r}")
-    return [int(token) for token in token_ids]
+    return _int_list(name, token_ids, "ints")
 
 
 def check_block_ids(name: str, block_ids: object) -> list[int]:
     """``block_ids`` as a list of ints (TypeError otherwise); whether each is known is the
     allocator's to say (KeyError)."""
-    if not isinstance(block_ids, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list of block ids, got {type(block_ids).__name__}")
-    for block_id in block_ids:
-        if not is_int(block_id):
-            raise TypeError(f"{name} must hold int block ids, got {block_id!r}")
-    return [int(block_id) for block_id in block_ids]
+    return _int_list(name, block_ids, "int block ids")
+
+
+def _int_list(name: str, values: object, what: str) -> list[int]:
+    """A list, tuple or range of ints as a list of plain ints; TypeError for anything else."""
+    if not isinstance(values, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of {what}, got {type(values).__name__}")
+    for value in values:
+        if not is_int(value):
+            raise TypeError(f"{name} must hold {what} only, got {value!r}")
+    return [int(value) for value in values]
 
 
 def check_time(name: str, now: object) -> float:
