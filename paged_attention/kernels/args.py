@@ -201,11 +201,18 @@ def slots(name: str, slots: torch.Tensor, num_slots: int, max_tokens: int) -> No
     tensor(name, slots, ndim=1, dtypes=(torch.int64,))
     if slots.numel() > max_tokens:
         raise ValueError(f"{name} has {slots.numel()} entries but only {max_tokens} tokens were given")
-    if slots.numel() and int(slots.max()) >= num_slots:
+    # Reading the slots is a device-to-host copy, which a CUDA-graph capture forbids: a captured
+    # step's slots are checked when the engine builds them, not here.
+    if slots.numel() and not _capturing(slots) and int(slots.max()) >= num_slots:
         raise ValueError(
             f"{name} holds slot {int(slots.max())} but the cache has only {num_slots} slots "
             f"(num_blocks * block_size); negative slots mean 'skip this token'"
         )
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """True while ``t``'s GPU stream is being captured into a CUDA graph (no host reads then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def block_tables_and_lens(
