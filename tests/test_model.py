@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from paged_attention import runtime
 from paged_attention.kernels import KernelUnavailable
 from paged_attention.model import (ATTENTION_IMPLS, ForwardBatch, LlamaConfig, LlamaForCausalLM,
                                    allocate_kv_caches, kv_cache_bytes_per_block, load_gguf, random_weights)
@@ -68,11 +69,15 @@ class Pager:
             block_tables=torch.tensor(tables, dtype=torch.int32),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             max_query_len=max(len(n) for _, n in work), max_seq_len=max(lens))
-        return torch.tensor(ids), torch.tensor(positions), batch
+        dev = self.model.device
+        batch = ForwardBatch(batch.query_start_loc.to(dev), batch.seq_lens.to(dev), batch.block_tables.to(dev),
+                             batch.slot_mapping.to(dev), batch.max_query_len, batch.max_seq_len)
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
 
     def step(self, work: list[tuple[str, list[int]]]) -> torch.Tensor:
+        """The step's logits, on the CPU (where the dense check runs)."""
         ids, positions, batch = self.batch(work)
-        return self.model.forward(ids, positions, batch, self.kv_caches)
+        return self.model.forward(ids, positions, batch, self.kv_caches).cpu()
 
 
 def paged_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int, block_size: int = 16,
@@ -105,9 +110,14 @@ def _dense_last(tokens: list[int]) -> torch.Tensor:
     return dense_logits(TINY, TINY_WEIGHTS, tokens)[-1]
 
 
+def _device(attention: str) -> torch.device:
+    """Triton runs where this machine runs it: compiled on a GPU, interpreted on a CPU."""
+    return runtime.DEVICE if attention == "triton" else CPU
+
+
 @pytest.fixture(scope="module", params=CPU_IMPLS)
 def tiny(request) -> LlamaForCausalLM:
-    return LlamaForCausalLM(TINY, TINY_WEIGHTS, attention=request.param)
+    return LlamaForCausalLM(TINY, TINY_WEIGHTS, attention=request.param, device=_device(request.param))
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -187,7 +197,7 @@ def test_greedy_tokens_equal_dense():
 
 
 def test_reference_and_triton_agree():
-    models = [LlamaForCausalLM(TINY, TINY_WEIGHTS, attention=a) for a in CPU_IMPLS]
+    models = [LlamaForCausalLM(TINY, TINY_WEIGHTS, attention=a, device=_device(a)) for a in CPU_IMPLS]
     pagers = [Pager(m, 16, 16, seed=3) for m in models]
     work = [[("a", _prompt(19, seed=12)), ("b", _prompt(5, seed=13))], [("a", [2]), ("b", [3])]]
     for step in work:
