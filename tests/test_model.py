@@ -142,7 +142,7 @@ def test_prefix_hit_computes_only_the_rest(tiny):
     pager.share_prefix("b", "a", num_blocks=2)
     ids, positions, batch = pager.batch([("b", b[2 * bs:])])
     assert batch.seq_lens.tolist() == [len(b)] and ids.numel() == 9 and positions[0] == 2 * bs
-    logits = tiny.forward(ids, positions, batch, pager.kv_caches)
+    logits = tiny.forward(ids, positions, batch, pager.kv_caches).cpu()
     torch.testing.assert_close(logits[0], _dense_last(b), atol=ATOL, rtol=0)
 
 
@@ -176,7 +176,7 @@ def test_decode_batch_of_ragged_requests(tiny):
     pager.step([(str(i), pr) for i, pr in enumerate(prompts)])
     ids, positions, batch = pager.batch([(str(i), [7 + i]) for i in range(4)])
     assert batch.is_decode_only
-    logits = tiny.forward(ids, positions, batch, pager.kv_caches)
+    logits = tiny.forward(ids, positions, batch, pager.kv_caches).cpu()
     for i, pr in enumerate(prompts):
         torch.testing.assert_close(logits[i], _dense_last(pr + [7 + i]), atol=ATOL, rtol=0)
 
