@@ -40,6 +40,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
+                 k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
+                 BLOCK_SIZE: tl.constexpr, OFFSETS_64: tl.constexpr):
+    """The keys and values of token positions ``n`` of one KV head, read through the block table:
+    token n sits in physical block ``table[n // BLOCK_SIZE]``, at row ``n % BLOCK_SIZE``. Shared by
+    the decode and the prefill kernels. In a cache of 2^31 elements or more, ``block *
+    block_stride`` needs 64 bits (``OFFSETS_64``)."""
+    block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
+    row = n % BLOCK_SIZE
+    if OFFSETS_64:
+        block = block.to(tl.int64)
+        row = row.to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
@@ -94,18 +115,9 @@ def _paged_decode_kernel(
     for tile_start in range(start, end, TILE_N):
         n = tile_start + tl.arange(0, TILE_N)             # token positions in the sequence
         n_mask = n < end
-        # Paging: token n sits in physical block table[n // BLOCK_SIZE], row n % BLOCK_SIZE.
-        # In a cache of 2^31 elements or more, block * block_stride needs 64 bits.
-        block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
-        row = n % BLOCK_SIZE
-        if OFFSETS_64:
-            block = block.to(tl.int64)
-            row = row.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0)                  # [TILE_N, BLOCK_D]
-        v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
+                            k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
+                            BLOCK_SIZE=BLOCK_SIZE, OFFSETS_64=OFFSETS_64)   # [TILE_N, BLOCK_D] each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_G, TILE_N]
         if USE_ALIBI:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton.cache import check_triton_dtype
-from paged_attention.kernels.triton.decode import LOG2E, _span
+from paged_attention.kernels.triton.decode import LOG2E, _span, load_kv_tile
 
 
 @triton.jit
@@ -85,16 +85,9 @@ def _paged_prefill_kernel(
         n = tile_start + tl.arange(0, TILE_N)             # key positions
         n_mask = n < end
         # Paging: key n sits in physical block table[n // BLOCK_SIZE], row n % BLOCK_SIZE.
-        block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
-        row = n % BLOCK_SIZE
-        if OFFSETS_64:
-            block = block.to(tl.int64)
-            row = row.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0)              # [TILE_N, BLOCK_D]
-        v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
+                            k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
+                            BLOCK_SIZE=BLOCK_SIZE, OFFSETS_64=OFFSETS_64)   # [TILE_N, BLOCK_D] each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [rows, TILE_N]
         # causal: the token at position q_pos sees keys 0 .. q_pos
