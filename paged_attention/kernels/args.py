@@ -22,7 +22,7 @@ import torch
 
 from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels.layout import PARTITION_SIZE, v0_x
-from paged_attention.utils import cdiv
+from paged_attention.utils import cdiv, is_int
 
 # vLLM's kv_cache_dtype strings: the unquantized ones keep the input's element type; the fp8
 # ones store each element as one byte, which the cache holds as uint8.
@@ -129,7 +129,7 @@ def softmax_scale(name: str, value: object) -> float:
 
 def positive_int(name: str, value: object) -> int:
     """An int >= 1 (``bool`` is not one); ``TypeError`` for another type, ``ValueError`` below 1."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{name} must be a positive int, got {type_name(value)} {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
