@@ -18,7 +18,8 @@ keeps a *running* list and a *swapped* list, and each ``schedule()``:
 
 This is V0's order (``_schedule_default``: running, then swapped, then waiting). Unlike V0, which ran
 prefills in steps of their own, a step here decodes the running groups *and* prefills the newly
-admitted ones. The scheduler keeps no token budget and no batch limit: the only limit is memory.
+admitted ones. By default the only limit is memory; an engine that runs a real model also caps a
+step's batch (``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens), as V0's budget did.
 
 ``schedule()`` returns a ``StepRecord`` (``records``): what a model runner needs (the groups to
 run with their token counts, the blocks to swap in, swap out and copy) and what happened. The
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Mapping
+from typing import Optional
 
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.block_table import BlockTable
@@ -38,7 +40,7 @@ from paged_attention.legacy.records import (
     BlockOwner, Event, ScheduledSequenceGroup, StepRecord,
 )
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_attention.utils import Device
+from paged_attention.utils import Device, check_int
 
 __all__ = ["FcfsScheduler"]
 
@@ -62,7 +64,8 @@ class FcfsScheduler:
     the record, then ``update(record, sampled_token_ids, finished_seq_ids)``.
     """
 
-    def __init__(self, block_manager: SelfAttnBlockSpaceManager, *, preemption_mode: str = "swap"):
+    def __init__(self, block_manager: SelfAttnBlockSpaceManager, *, preemption_mode: str = "swap",
+                 max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None):
         if not isinstance(block_manager, SelfAttnBlockSpaceManager):
             raise TypeError(f"block_manager must be a SelfAttnBlockSpaceManager, got {type(block_manager).__name__}")
         if block_manager.max_block_sliding_window is not None:
@@ -72,6 +75,11 @@ class FcfsScheduler:
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}")
         if block_manager.block_tables:
             raise ValueError("the block manager already holds block tables: give the scheduler a fresh one")
+        # The batch limits (None: none). A decode is never refused for them: only admissions
+        # and swap-ins wait, so a limit can delay a request but never preempt one.
+        self.max_num_seqs = None if max_num_seqs is None else check_int("max_num_seqs", max_num_seqs, 1)
+        self.max_num_batched_tokens = (None if max_num_batched_tokens is None
+                                       else check_int("max_num_batched_tokens", max_num_batched_tokens, 1))
 
         self.block_manager = block_manager
         self.preemption_mode = preemption_mode
@@ -148,6 +156,8 @@ class FcfsScheduler:
             while self.swapped:
                 rid = self.swapped[0]
                 group = self.groups[rid]
+                if not self._batch_has_room(group.num_seqs(SequenceStatus.SWAPPED), 1):
+                    break
                 status = mgr.can_swap_in(group, num_lookahead_slots=0)
                 if status == AllocStatus.OK:
                     self.swapped.pop(0)
@@ -179,6 +189,11 @@ class FcfsScheduler:
                                                f"needs {_blocks(need)}, {free} free, watermark "
                                                f"{mgr.watermark_blocks}: {why}", num_blocks=need,
                                                on_watermark=on_watermark))
+                    break
+                seqs = group.get_seqs(SequenceStatus.WAITING)
+                if not self._batch_has_room(len(seqs), seqs[0].get_len()):
+                    record.events.append(Event(self.now, WAITED, rid, "the step's batch is full "
+                                               f"({self._batch_limits()})"))
                     break
                 self.waiting.pop(0)
                 self._admit(group, record)
@@ -238,6 +253,39 @@ class FcfsScheduler:
                 self.done_ids.append(group.request_id)
         self.now += 1
         return record.finished
+
+    def _batch_has_room(self, num_seqs: int, tokens_per_seq: int) -> bool:
+        """Whether ``num_seqs`` more sequences of ``tokens_per_seq`` new tokens each fit this
+        step's batch limits, next to the running groups' one token per sequence."""
+        running = [s for rid in self.running for s in self.groups[rid].get_seqs(SequenceStatus.RUNNING)]
+        if self.max_num_seqs is not None and len(running) + num_seqs > self.max_num_seqs:
+            return False
+        if self.max_num_batched_tokens is not None:
+            tokens = sum(s.get_len() - s.data.get_num_computed_tokens() for s in running)
+            if tokens + num_seqs * tokens_per_seq > self.max_num_batched_tokens:
+                return False
+        return True
+
+    def _batch_limits(self) -> str:
+        return f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"
+
+    def abort_seq_group(self, request_id: str, why: str = "aborted by the caller") -> None:
+        """Drop a request wherever it is (waiting, running or swapped): its blocks are freed now.
+
+        Between steps, or after a step that failed half-way (call ``update`` for it first). The
+        event goes into the last record (or a record of its own if no step ran yet)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        if request_id not in self.groups:
+            raise KeyError(f"unknown request {request_id!r}")
+        group = self.groups[request_id]
+        if group.is_finished():
+            return
+        for queue in (self.waiting, self.running, self.swapped):
+            if request_id in queue:
+                queue.remove(request_id)
+        record = self.history[-1] if self.history else StepRecord(step=self.now)
+        self._abort(group, record, why)
 
     # ---- what the steps do ------------------------------------------------------------------------
     def _num_required_blocks(self, group: SequenceGroup) -> int:

@@ -1,0 +1,236 @@
+"""``LLM``: vLLM's offline interface over this project's engine.
+
+    llm = LLM()                                          # the packaged SmolLM2-135M-Instruct
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+
+``generate`` takes raw prompts (text, token-id lists, or ``{"prompt_token_ids": [...]}``);
+``chat`` applies the model's chat template first. Every request of a call is checked before any
+runs; the outputs come back in input order.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from paged_attention import runtime
+from paged_attention.engine.llm_engine import LLMEngine
+from paged_attention.engine.outputs import RequestOutput
+from paged_attention.engine.sampling_params import SamplingParams
+from paged_attention.model import LlamaForCausalLM, Tokenizer, kv_cache_bytes_per_block, load_gguf
+from paged_attention.model.llama import resolve_device, resolve_dtype
+from paged_attention.utils import cdiv, check_int
+
+PromptType = Union[str, list[int], dict]
+_GiB = 1 << 30
+
+
+class LLM:
+    """A small inference engine: the model, its paged KV cache, the scheduler, and the sampler.
+
+    ``model``: None (the packaged SmolLM2), a path to a Llama GGUF file, or a ready
+    ``LlamaForCausalLM`` (then its device, dtype and attention are used, and ``tokenizer`` may be
+    given; without one, prompts must be token ids).
+
+    Memory: ``num_gpu_blocks`` blocks of ``block_size`` tokens hold every layer's KV (default: what
+    ``kv_cache_memory`` bytes hold; by default 512 MiB on a CPU, 80% of the GPU's free memory
+    on a GPU; never more than ``max_num_seqs`` requests of ``max_model_len`` tokens need).
+    ``num_cpu_blocks`` (default: a quarter of that) is the swap pool. ``preemption_mode``:
+    ``"swap"`` or ``"recompute"``. ``block_tables``: which of the project's table classes turns
+    the block lists into kernel inputs: ``"auto"`` (v2 on a GPU, v1 on a CPU), ``"v2"``,
+    ``"v2-vllm"`` or ``"v1"``.
+    ``cuda_graphs``: replay decode steps from CUDA graphs on a GPU.
+    """
+
+    def __init__(self, model: Union[None, str, Path, LlamaForCausalLM] = None, *, block_size: int = 16,
+                 num_gpu_blocks: Optional[int] = None, num_cpu_blocks: Optional[int] = None,
+                 enable_prefix_caching: bool = True, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, attention: str = "auto",
+                 device: Union[None, str, torch.device] = None, dtype: Union[None, str, torch.dtype] = None,
+                 max_model_len: Optional[int] = None, preemption_mode: str = "swap", block_tables: str = "auto",
+                 cuda_graphs: bool = True, kv_cache_memory: Optional[int] = None, watermark: float = 0.01,
+                 tokenizer: Optional[Tokenizer] = None) -> None:
+        # Every argument is checked before the weights are read.
+        block_size = check_int("block_size", block_size, 1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}")
+        from paged_attention.engine.tables import TABLE_IMPLS
+        if block_tables not in TABLE_IMPLS:
+            raise ValueError(f"block_tables must be one of {', '.join(TABLE_IMPLS)}, got {block_tables!r}")
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a paged_attention.model.Tokenizer, got {type(tokenizer).__name__}")
+
+        if isinstance(model, LlamaForCausalLM):
+            self.model = model
+        else:
+            device = resolve_device(runtime.DEVICE if device is None else device)
+            dtype = resolve_dtype((torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype is None else dtype)
+            if model is not None and not isinstance(model, (str, Path)):
+                raise TypeError(f"model must be None, a path to a GGUF file or a LlamaForCausalLM, "
+                                f"got {type(model).__name__}")
+            from paged_attention.model.attention import resolve_attention
+            resolve_attention(attention, device, dtype)        # an unknown name fails before loading
+            config, weights = load_gguf(model)
+            self.model = LlamaForCausalLM(config, weights, dtype=dtype, device=device, attention=attention)
+            if tokenizer is None:
+                tokenizer = Tokenizer.from_gguf(model)
+        self.tokenizer = tokenizer
+        config = self.model.config
+        self.config = config
+
+        if max_model_len is None:
+            max_model_len = config.max_position_embeddings
+        max_model_len = check_int("max_model_len", max_model_len, 2)
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
+                             f"({config.max_position_embeddings} positions)")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(max_model_len, 2048)
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least max_num_seqs="
+                             f"{max_num_seqs}: every running request decodes one token a step")
+
+        bytes_per_block = kv_cache_bytes_per_block(config, block_size, self.model.dtype)
+        if num_gpu_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = self._default_kv_memory()
+            kv_cache_memory = check_int("kv_cache_memory", kv_cache_memory, 1)
+            needed = max_num_seqs * cdiv(max_model_len, block_size)
+            num_gpu_blocks = max(1, min(kv_cache_memory // bytes_per_block, needed))
+        num_gpu_blocks = check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_gpu_blocks // 4
+        num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        self.bytes_per_block = bytes_per_block
+
+        eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
+        self.engine = LLMEngine(self.model, eos_token_ids=frozenset(eos), block_size=block_size,
+                                num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                                enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                preemption_mode=preemption_mode, block_tables=block_tables,
+                                cuda_graphs=cuda_graphs, watermark=watermark)
+        if tokenizer is not None:
+            self.engine.detokenize = tokenizer.decode
+        self._request_counter = itertools.count()
+
+    def _default_kv_memory(self) -> int:
+        if self.model.device.type != "cuda":
+            return _GiB // 2
+        free, _ = torch.cuda.mem_get_info(self.model.device)
+        return int(free * 0.8)
+
+    # ---- the interface --------------------------------------------------------------------
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; the outputs in input order. A prompt is text (tokenized as it
+        is: use ``chat`` for the chat template), a list of token ids, or ``{"prompt_token_ids":
+        [...]}``. ``sampling_params``: one for all, or one per prompt (default ``SamplingParams()``)."""
+        prompts = self._prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        encoded = [self._encode(p) for p in prompts]
+        for token_ids, _ in encoded:              # every prompt checked before any is queued
+            self.engine.check_prompt(token_ids)
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
+        several (a list of such lists), each rendered with the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (this LLM was given a model without one)")
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and messages and all(isinstance(c, list) for c in messages):
+            conversations = list(messages)
+        else:
+            raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
+                            "or a list of conversations")
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                 for c in conversations]
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Optional[Tokenizer]:
+        return self.tokenizer
+
+    # ---- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_list(prompts: Any) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("no prompts given")
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+                return [list(prompts)]            # one prompt of token ids
+            return list(prompts)
+        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those, got {type(prompts).__name__}")
+
+    @staticmethod
+    def _params_list(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
+            if len(params) != n:
+                raise ValueError(f"{len(params)} sampling params for {n} prompts")
+            return list(params)
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+    def _encode(self, prompt: Any) -> tuple[list[int], Optional[str]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):
+            if set(prompt) != {"prompt_token_ids"}:
+                raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}}, got keys {sorted(prompt)}")
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("a token-id prompt must hold ints only")
+            return list(prompt), None
+        raise TypeError(f"a prompt must be a str, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                        f"got {type(prompt).__name__}")
+
+    def _run(self, encoded: list[tuple[list[int], Optional[str]]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the engine still has requests from an interrupted call")
+        ids = []
+        try:
+            for (token_ids, text), p in zip(encoded, params):
+                ids.append(str(next(self._request_counter)))
+                engine.add_request(ids[-1], token_ids, p, prompt=text)
+            outputs: dict[str, RequestOutput] = {}
+            bar = _progress(len(ids)) if use_tqdm else None
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    outputs[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            engine.abort_all("generate() was interrupted")
+            raise
+        return [outputs[i] for i in ids]
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
