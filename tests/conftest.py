@@ -51,3 +51,24 @@ def planted(error: type[Exception]):
     def kernel(*args, **kwargs):
         raise error(PLANTED)
     return kernel
+
+
+# Hugging Face transformers loading the packaged GGUF: the oracle nobody here wrote. Loading the
+# model takes ~15 s (it dequantises every tensor), so once per session, shared by the model and
+# engine tests.
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    from paged_attention.model.weights import packaged_model_path
+    path = packaged_model_path()
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+    from paged_attention.model.weights import packaged_model_path
+    path = packaged_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()

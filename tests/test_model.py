@@ -417,24 +417,6 @@ def tokenizer():
     return Tokenizer.from_gguf()
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer():
-    transformers = pytest.importorskip("transformers")
-    path = packaged_model_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    # Loading the GGUF through transformers takes ~15 s (it dequantises every tensor): once per module.
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    path = packaged_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
-
-
 def test_config_of_the_packaged_model(smollm):
     c = smollm.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
