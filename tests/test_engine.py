@@ -9,6 +9,10 @@ engine as it was. The real SmolLM2 then answers, and its greedy tokens equal tho
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -420,3 +424,24 @@ def test_gpu_attention_agrees_with_triton_in_bf16(attention):
     except KernelUnavailable as e:
         pytest.skip(str(e))
     assert [t[:2] for t in ta] == [t[:2] for t in tb]
+
+
+# --------------------------------------------------------------------------------------------
+# The demo command
+# --------------------------------------------------------------------------------------------
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paged_attention", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu"})
+
+
+def test_generate_command_prints_the_answer():
+    done = _cli("generate", CHATS[0], "--max-tokens", "24")
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+def test_generate_command_refuses_bad_arguments():
+    done = _cli("generate", "hi", "--max-tokens", "0")
+    assert done.returncode == 2 and "max_tokens" in done.stderr
+    assert _cli("nonsense").returncode == 2
