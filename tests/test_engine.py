@@ -162,6 +162,13 @@ def test_batch_limits(model):
     llm = engine(model, max_num_seqs=2)
     out = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
     assert max(len(r.running) for r in llm.engine.history) == 2
+    assert all(r.owners_recorded for r in llm.engine.history)
+    quiet = engine(model, record_block_owners=False)
+    assert tokens(quiet.generate(ps, GREEDY, use_tqdm=False)) == out
+    assert not any(r.gpu_owners for r in quiet.engine.history)
+    from paged_attention.viz import draw_pool_over_time
+    with pytest.raises(ValueError, match="record_block_owners"):      # no empty picture passed off as real
+        draw_pool_over_time(quiet.engine.history, 64)
     llm2 = engine(model, max_num_seqs=4, max_num_batched_tokens=40)        # at most 40 new tokens a step
     assert tokens(llm2.generate(ps, GREEDY, use_tqdm=False)) == out
     assert max(s.num_tokens for s in llm2.engine.step_stats) <= 40
@@ -234,9 +241,10 @@ def test_block_size_changes_no_token(model, block_size):
         tokens(engine(model, block_size=16).generate(ps, GREEDY, use_tqdm=False))
 
 
-def test_v1_and_v2_tables_agree(model):
+def test_v1_and_v2_tables_agree():
     ps = prompts(3, seed=11)
     kw = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128)
+    model = tiny_model("reference", runtime.DEVICE)          # v2's kernels run where Triton does
     v1 = engine(model, block_tables="v1", **kw)
     v2 = engine(model, block_tables="v2", **kw)
     out = tokens(v1.generate(ps, GREEDY, use_tqdm=False))

@@ -43,7 +43,10 @@ class LLM:
     ``"swap"`` or ``"recompute"``. ``block_tables``: which of the project's table classes turns
     the block lists into kernel inputs: ``"auto"`` (v2 on a GPU, v1 on a CPU), ``"v2"``,
     ``"v2-vllm"`` or ``"v1"``.
-    ``cuda_graphs``: replay decode steps from CUDA graphs on a GPU.
+    ``cuda_graphs``: replay decode steps from CUDA graphs on a GPU (with an attention whose
+    decode reads nothing back to the host: not the reference's). ``record_block_owners``: every
+    step's record says who holds each block, for the pool drawings (a benchmark turns it off: with
+    hundreds of requests it is a quarter of the scheduler's time).
     """
 
     def __init__(self, model: Union[None, str, Path, LlamaForCausalLM] = None, *, block_size: int = 16,
@@ -53,7 +56,7 @@ class LLM:
                  device: Union[None, str, torch.device] = None, dtype: Union[None, str, torch.dtype] = None,
                  max_model_len: Optional[int] = None, preemption_mode: str = "swap", block_tables: str = "auto",
                  cuda_graphs: bool = True, kv_cache_memory: Optional[int] = None, watermark: float = 0.01,
-                 tokenizer: Optional[Tokenizer] = None) -> None:
+                 record_block_owners: bool = True, tokenizer: Optional[Tokenizer] = None) -> None:
         # Every argument is checked before the weights are read.
         block_size = check_int("block_size", block_size, 1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
@@ -119,7 +122,8 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 preemption_mode=preemption_mode, block_tables=block_tables,
-                                cuda_graphs=cuda_graphs, watermark=watermark)
+                                cuda_graphs=cuda_graphs, watermark=watermark,
+                                record_block_owners=record_block_owners)
         if tokenizer is not None:
             self.engine.detokenize = tokenizer.decode
         self._request_counter = itertools.count()

@@ -88,14 +88,16 @@ class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, *, eos_token_ids: frozenset[int], block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, preemption_mode: str = "swap",
-                 block_tables: str = "auto", cuda_graphs: bool = True, watermark: float = 0.01) -> None:
+                 block_tables: str = "auto", cuda_graphs: bool = True, watermark: float = 0.01,
+                 record_block_owners: bool = True) -> None:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size, self.max_model_len = block_size, max_model_len
         self.block_manager = SelfAttnBlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark=watermark,
                                                        enable_caching=enable_prefix_caching)
         self.scheduler = FcfsScheduler(self.block_manager, preemption_mode=preemption_mode,
-                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       record_block_owners=record_block_owners)
         self.tables = make_step_tables(block_tables, block_size, max_num_seqs, max_num_batched_tokens,
                                        max_model_len, model.device)
         self.kv_caches = allocate_kv_caches(model, num_gpu_blocks, block_size)
@@ -103,7 +105,8 @@ class LLMEngine:
         self.cpu_kv_caches = (allocate_kv_caches(model, num_cpu_blocks, block_size, device="cpu")
                               if num_cpu_blocks else [])
         self.graphs = None
-        if cuda_graphs and model.device.type == "cuda":
+        # The reference decode reads lengths back to the host, which a capture does not allow.
+        if cuda_graphs and model.device.type == "cuda" and model.attention_impl != "reference":
             from paged_attention.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, max_model_len, block_size)
         self.requests: dict[str, _Request] = {}         # unfinished requests

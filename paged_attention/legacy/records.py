@@ -93,7 +93,7 @@ class StepRecord:
     ``scheduled_seq_groups`` says the same per group, with its token count.
 
     ``gpu_owners``/``cpu_owners``: every block in use after scheduling, device-relative id ->
-    ``BlockOwner``; ``num_free_gpu_blocks``/``num_free_cpu_blocks``: the manager's counts then.
+    ``BlockOwner`` (empty unless ``owners_recorded``: a scheduler may be told not to record them); ``num_free_gpu_blocks``/``num_free_cpu_blocks``: the manager's counts then.
     ``finished``: the sequences that finished (and were freed) in ``update``.
     """
 
@@ -112,6 +112,7 @@ class StepRecord:
     cpu_owners: dict[int, BlockOwner] = field(default_factory=dict)
     num_free_gpu_blocks: int = 0
     num_free_cpu_blocks: int = 0
+    owners_recorded: bool = False
     running: list[str] = field(default_factory=list)       # request ids after scheduling
     swapped: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)

@@ -65,7 +65,8 @@ class FcfsScheduler:
     """
 
     def __init__(self, block_manager: SelfAttnBlockSpaceManager, *, preemption_mode: str = "swap",
-                 max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None):
+                 max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
+                 record_block_owners: bool = True):
         if not isinstance(block_manager, SelfAttnBlockSpaceManager):
             raise TypeError(f"block_manager must be a SelfAttnBlockSpaceManager, got {type(block_manager).__name__}")
         if block_manager.max_block_sliding_window is not None:
@@ -81,6 +82,11 @@ class FcfsScheduler:
         self.max_num_batched_tokens = (None if max_num_batched_tokens is None
                                        else check_int("max_num_batched_tokens", max_num_batched_tokens, 1))
 
+        if not isinstance(record_block_owners, bool):
+            raise TypeError(f"record_block_owners must be a bool, got {record_block_owners!r}")
+        # Who holds each block, in every record (for the pool drawings): a walk over every table,
+        # a quarter of a step's time with hundreds of running requests. An engine may skip it.
+        self.record_block_owners = record_block_owners
         self.block_manager = block_manager
         self.preemption_mode = preemption_mode
         self.block_size = block_manager.block_size
@@ -218,7 +224,9 @@ class FcfsScheduler:
                 mgr.mark_blocks_as_computed(scheduled.seq_group, token_chunk_size=scheduled.token_chunk_size)
 
         record.running, record.swapped, record.waiting = list(self.running), list(self.swapped), list(self.waiting)
-        record.gpu_owners, record.cpu_owners = self._owners()
+        if self.record_block_owners:
+            record.gpu_owners, record.cpu_owners = self._owners()
+            record.owners_recorded = True
         record.num_free_gpu_blocks = mgr.get_num_free_gpu_blocks()
         record.num_free_cpu_blocks = mgr.get_num_free_cpu_blocks()
         self.history.append(record)

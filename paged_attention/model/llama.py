@@ -69,29 +69,39 @@ class RotaryEmbedding:
 
     Dimension ``j < D/2`` of a head is paired with dimension ``j + D/2``; at position ``p`` the pair
     turns by the angle ``p * theta^(-2j / D)``. (The GGUF's Q/K rows were un-permuted at load time
-    to make this the right pairing: see ``model/weights.py``.)
+    to make this the right pairing: see ``model/weights.py``.) A step looks its positions' angles
+    up once (``angles``), and every layer rotates its queries and keys together with them: the
+    fewer kernels a step launches, the shorter its CUDA graph.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, device: torch.device) -> None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))   # [D/2]
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]      # [P, D/2]
-        self.cos = angles.cos().to(device)
-        self.sin = angles.sin().to(device)
+        # cos and sin side by side, so that one lookup fetches both: [P, 2, D/2]
+        self.cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1).to(device)
         self.max_position = max_position
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[num_tokens, heads, D]`` rotated by each token's position (float32 maths)."""
-        cos = self.cos[positions][:, None, :]     # [T, 1, D/2]: one angle per pair, every head alike
-        sin = self.sin[positions][:, None, :]
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of each token's position, ``[T, 1, D/2]`` each (one angle per pair,
+        every head alike)."""
+        cos, sin = self.cos_sin[positions].unsqueeze(2).unbind(1)
+        return cos, sin
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[num_tokens, heads, D]`` rotated by the angles (float32 maths)."""
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.rotate(x, *self.angles(positions))
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)``, the mean taken in float32 whatever ``x``'s dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """``weight * x / sqrt(mean(x^2) + eps)``, the mean taken in float32 whatever ``x``'s dtype,
+    then cast back before the weight, as Hugging Face's Llama does. (``F.rms_norm`` is one fused
+    kernel on a GPU where the same lines written out would be six.)"""
+    return weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,13 +180,16 @@ class LlamaForCausalLM:
                 read_layout(batch)   # checked once here; the prefill kernel then reads no host data
 
         hidden = self.embed_tokens[input_ids]                               # [T, hidden]
+        cos, sin = self.rotary.angles(positions)                            # once for all layers
+        num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         for layer, kv_cache in zip(self.layers, kv_caches):
             # --- attention block ---
             x = rms_norm(hidden, layer["input_layernorm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv_proj"])
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self.rotary(positions, q.view(-1, cfg.num_attention_heads, cfg.head_dim))
-            k = self.rotary(positions, k.view(-1, cfg.num_key_value_heads, cfg.head_dim))
+            qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+            # Queries and keys are rotated alike: as one tensor of query heads then key heads.
+            qk = self.rotary.rotate(qk.view(-1, num_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
             v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
             self.attn.write(k, v, kv_cache, batch.slot_mapping)
             if batch.is_decode_only:

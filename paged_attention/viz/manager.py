@@ -60,6 +60,9 @@ def _checked_history(history: Any) -> list[StepRecord]:
     steps = [record.step for record in history]
     if steps != list(range(steps[0], steps[0] + len(steps))):
         raise ValueError(f"history must hold consecutive steps, got {steps[:8]}...")
+    if not all(record.owners_recorded for record in history):
+        raise ValueError("these records hold no block owners: make the scheduler with record_block_owners=True "
+                         "(LLM(record_block_owners=True))")
     return list(history)
 
 
