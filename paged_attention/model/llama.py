@@ -151,6 +151,9 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, self.device)
         self.attn = PagedAttention(self.attention_impl, config.num_attention_heads, config.num_key_value_heads,
                                    config.head_dim, self.device)
+        # On a GPU the norms and the rotary embedding run as fused Triton kernels (see
+        # _forward_fused); on a CPU, where Triton only interprets, as plain torch.
+        self.fused = self.device.type == "cuda" and (config.head_dim // 2) & (config.head_dim // 2 - 1) == 0
 
     @property
     def kv_cache_layout(self) -> str:
@@ -179,6 +182,8 @@ class LlamaForCausalLM:
             else:
                 read_layout(batch)   # checked once here; the prefill kernel then reads no host data
 
+        if self.fused:
+            return self._forward_fused(input_ids, positions, batch, kv_caches, plan)
         hidden = self.embed_tokens[input_ids]                               # [T, hidden]
         cos, sin = self.rotary.angles(positions)                            # once for all layers
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
@@ -191,11 +196,7 @@ class LlamaForCausalLM:
             qk = self.rotary.rotate(qk.view(-1, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
             v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            self.attn.write(k, v, kv_cache, batch.slot_mapping)
-            if batch.is_decode_only:
-                o = self.attn.decode(q, kv_cache, batch)
-            else:
-                o = self.attn.mixed(q, kv_cache, batch, plan)
+            o = self._attend(q, k, v, kv_cache, batch, plan)
             hidden = hidden + F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
             # --- MLP block (SwiGLU) ---
             x = rms_norm(hidden, layer["post_attention_layernorm"], cfg.rms_norm_eps)
@@ -206,6 +207,43 @@ class LlamaForCausalLM:
         last = batch.query_start_loc[1:].long() - 1
         hidden = rms_norm(hidden[last], self.norm, cfg.rms_norm_eps)
         return F.linear(hidden, self.lm_head).float()
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
+                plan) -> torch.Tensor:
+        """Write the step's keys and values, then attend (the decode kernel for a decode batch)."""
+        self.attn.write(k, v, kv_cache, batch.slot_mapping)
+        if batch.is_decode_only:
+            return self.attn.decode(q, kv_cache, batch)
+        return self.attn.mixed(q, kv_cache, batch, plan)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                       kv_caches: list[KVCache], plan) -> torch.Tensor:
+        """The same layers with two fused Triton kernels (on a GPU): each residual add with the
+        RMSNorm after it, and the rotary embedding in place on the QKV output. The arithmetic is
+        the unfused path's, in the same order and precision; a decode step launches about half
+        as many kernels."""
+        from paged_attention.kernels.triton.layer_ops import add_rms_norm, rotary_
+
+        cfg = self.config
+        num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        residual = self.embed_tokens[input_ids]                             # [T, hidden], a fresh tensor
+        x = add_rms_norm(residual, self.layers[0]["input_layernorm"], cfg.rms_norm_eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            qkv = F.linear(x, layer["qkv_proj"])
+            qk = rotary_(qkv[:, :cfg.q_size + cfg.kv_size].view(-1, num_qk_heads, cfg.head_dim),
+                         self.rotary.cos_sin, positions)
+            q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_key_value_heads, cfg.head_dim)
+            o = self._attend(q, k, v, kv_cache, batch, plan)
+            # residual += o_proj(o); x = rms_norm(residual)
+            x = add_rms_norm(F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"]),
+                             layer["post_attention_layernorm"], cfg.rms_norm_eps, residual)
+            gate, up = F.linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
+            # residual += down_proj(...); x = the next layer's input norm (the final norm after the last)
+            next_norm = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else self.norm
+            x = add_rms_norm(F.linear(F.silu(gate) * up, layer["down_proj"]), next_norm, cfg.rms_norm_eps, residual)
+        last = batch.query_start_loc[1:].long() - 1
+        return F.linear(x[last], self.lm_head).float()
 
     __call__ = forward
 
