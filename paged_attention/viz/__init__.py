@@ -19,6 +19,7 @@ from paged_attention.viz.manager import (
 from paged_attention.viz.kv_cache import (
     KVPage, draw_element_order, draw_raw_to_views, draw_shared_tensors, element_order, kv_dim_of, kv_pages,
 )
+from paged_attention.viz.engine import ENGINE_SYSTEMS, draw_engine_throughput
 from paged_attention.viz.memory import draw_waste_breakdown
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
 from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
@@ -46,5 +47,5 @@ __all__ = [
     "StagedWrite", "staged_writes", "apply_writes", "draw_staged_writes", "UvaSnapshot", "snapshot_uva",
     "draw_uva_counters", "gather_kinds", "draw_gather", "draw_slot_mapping_grid", "draw_v2_step_times",
     "KVPage", "kv_pages", "kv_dim_of", "draw_raw_to_views", "element_order", "draw_element_order",
-    "draw_shared_tensors",
+    "draw_shared_tensors", "ENGINE_SYSTEMS", "draw_engine_throughput",
 ]
