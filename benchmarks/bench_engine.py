@@ -83,12 +83,15 @@ def main() -> int:
                      "max_num_batched_tokens": max(min(many, 1024) * opts.prompt_len, llm.engine.max_model_len)})
     measured = run_engine(mem_llm, make_prompts(many, opts.prompt_len, llm.config.vocab_size, seed=7), opts.max_tokens)
     cap["measured_max_running"] = measured["max_running"]
+    cap["measured_mean_running"] = measured["mean_running"]
+    cap["measured_preemptions"] = measured["preemptions"]
     cap["budget_bytes"] = budget
     results["memory"] = cap
     print(f"# KV budget {budget / 2**30:.2f} GiB ({cap['num_blocks']} blocks of {llm.engine.block_size} tokens, "
           f"{cap['bytes_per_token']} bytes a token): {cap['paged']} requests of {opts.prompt_len}+{opts.max_tokens} "
-          f"tokens fit paged (the engine ran {measured['max_running']} at once), {cap['contiguous']} with "
-          f"{llm.engine.max_model_len} tokens reserved each", flush=True)
+          f"tokens fit paged (the engine, given {many}: {measured['mean_running']:.0f} running on average, "
+          f"{measured['preemptions']} preemptions), {cap['contiguous']} with {llm.engine.max_model_len} tokens "
+          f"reserved each", flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from paged_attention.legacy.records import RECOMPUTED, SWAPPED_OUT
 from paged_attention.utils import cdiv
 
 
@@ -58,6 +59,11 @@ def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
         "gpu_wait_ms_per_step": 1e3 * statistics.mean(s.forward + s.sample for s in decodes),
         "cuda_graph_steps": sum(s.cuda_graph for s in decodes), "decode_steps": len(decodes),
         "max_running": max(len(r.running) for r in llm.engine.history[first_record:]),
+        # Requests running through the decode steps (admission can briefly exceed what then
+        # fits: the scheduler preempts as the requests grow).
+        "mean_running": statistics.mean(len(r.running) for r in llm.engine.history[first_record:]),
+        "preemptions": sum(e.kind in (SWAPPED_OUT, RECOMPUTED)
+                           for r in llm.engine.history[first_record:] for e in r.events),
     }
 
 
