@@ -282,6 +282,33 @@ def test_running_out_of_blocks_leaves_tables_and_allocator_as_they_were(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_one_token_appends_with_no_free_block_change_nothing(kind):
+    """A decode step's append (one token) takes at most one block: a new one when the last is
+    full, a copy when the last is shared. With none free, both fail and leave everything as it was."""
+    a = CpuGpuBlockAllocator.create(kind, 3, 0, 4)
+    t = BlockTable(4, a)
+    t.allocate([1, 2, 3, 4, 5, 6])                 # blocks 0 (full) and 1 (half)
+    child = t.fork()
+    filler = BlockTable(4, a)
+    filler.allocate([7, 8, 9, 10])                 # the last free block
+    before, parent_state, child_state = _counts(a), _table_state(t), _table_state(child)
+    with pytest.raises(BlockAllocator.NoFreeBlocksError):
+        child.append_token_ids([100])              # the shared half block needs a copy
+    with pytest.raises(BlockAllocator.NoFreeBlocksError):
+        filler.append_token_ids([11])              # its only block is full
+    assert _counts(a) == before and _table_state(filler) == ([2], [7, 8, 9, 10], 4)
+    assert _table_state(t) == parent_state and _table_state(child) == child_state
+    filler.free()
+    child.append_token_ids([100])
+    assert child.physical_block_ids == [0, 2] and a.clear_copy_on_writes() == [(1, 2)]
+    t.append_token_ids([7]), t.append_token_ids([8])          # private now: written in place
+    assert t.physical_block_ids == [0, 1] and t._get_all_token_ids() == [1, 2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(BlockAllocator.NoFreeBlocksError):
+        t.append_token_ids([9])                    # full, and the pool is empty
+    assert t.num_full_slots == 8 and len(t.blocks) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_forking_a_windowed_table_keeps_the_null_block_and_its_own_chain(kind):
     """vLLM's fork walks prev_block links into blocks the window dropped (and the pool reused);
     here the chain is cut where the window drops blocks."""

@@ -174,10 +174,12 @@ class SelfAttnBlockSpaceManager:
         _check_group(seq_group)
         _check_lookahead(num_lookahead_slots)
         num_touched_blocks = self._num_null_blocks_needed()
-        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
-            block_table = self._table(seq)
-            num_touched_blocks += block_table._num_blocks_touched(   # arguments checked above
-                block_table.get_unseen_token_ids(seq.get_token_ids()), num_lookahead_slots)
+        for seq in seq_group.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                block_table = self._table(seq)
+                # The unseen tokens are the sequence's tail past what the table holds.
+                num_touched_blocks += block_table._num_blocks_touched_by(
+                    max(0, seq.get_len() - block_table.num_full_slots) + num_lookahead_slots)
         return num_touched_blocks <= self.block_allocator.get_num_free_blocks(Device.GPU)
 
     def _num_null_blocks_needed(self) -> int:

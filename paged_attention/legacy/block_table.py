@@ -103,6 +103,9 @@ class BlockTable:
         manager's decode path, whose tokens come from a ``Sequence`` that checked them)."""
         if not self._is_allocated:
             raise BlockStateError("no blocks have been allocated")
+        if self._max_block_sliding_window is None and num_lookahead_slots == 0 and len(token_ids) == 1:
+            self._append_one_token(token_ids, extra_hash)
+            return
         if self._max_block_sliding_window is not None:
             if num_computed_slots is None:
                 raise ValueError("a block table with a sliding window needs num_computed_slots (an int >= 0), "
@@ -116,6 +119,16 @@ class BlockTable:
             rehearse(lambda table: table._append_token_ids(token_ids, num_lookahead_slots, num_computed_slots,
                                                            extra_hash), self)
         self._append_token_ids(token_ids, num_lookahead_slots, num_computed_slots, extra_hash)
+
+    def _append_one_token(self, token_ids: list[int], extra_hash: Optional[int]) -> None:
+        """A decode step's append: one token, no lookahead, no window. It takes at most one free
+        block (a new block when the last is full, or a copy of a shared last block), and either
+        allocation fails before anything changes, so it needs no rehearsal."""
+        block_idx = self._num_full_slots // self._block_size
+        if block_idx == len(self._blocks):       # every block is full: the token starts a new one
+            self._ensure_num_empty_slots(1, extra_hash)
+        self._blocks.append_token_ids(block_idx, token_ids)
+        self._num_full_slots += 1
 
     def _max_block_allocations(self, token_ids: list[int], num_lookahead_slots: int) -> int:
         """An upper bound on the free blocks an append can take: the null block if not made yet,
@@ -266,7 +279,9 @@ class BlockTable:
         return self._num_blocks_touched(token_ids, num_lookahead_slots)
 
     def _num_blocks_touched(self, token_ids: list[int], num_lookahead_slots: int) -> int:
-        num_token_ids = len(token_ids) + num_lookahead_slots
+        return self._num_blocks_touched_by(len(token_ids) + num_lookahead_slots)
+
+    def _num_blocks_touched_by(self, num_token_ids: int) -> int:
         first_chunk_size = self._block_size - (self._num_full_slots % self._block_size)
         return 1 + math.ceil((num_token_ids - first_chunk_size) / self._block_size)
 
