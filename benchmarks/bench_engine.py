@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-static", action="store_true", help="skip transformers' static cache")
     parser.add_argument("--skip-hf", action="store_true", help="time the engine only")
+    parser.add_argument("--block-tables", default="auto", help="the engine's tables: auto, v2, v2-vllm or v1")
     parser.add_argument("--json", help="write every figure here (notebook 07 plots it)")
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU run in fp32 (checks the script)")
     opts = parser.parse_args()
@@ -47,9 +48,11 @@ def main() -> int:
             return 1
         device, dtype = runtime.DEVICE, torch.bfloat16
         sizes = [int(n) for n in opts.requests.split(",")]
-        llm_kw = dict(dtype=dtype, max_num_seqs=max(sizes), kv_cache_memory=8 << 30, record_block_owners=False)
+        llm_kw = dict(dtype=dtype, max_num_seqs=max(sizes), kv_cache_memory=8 << 30, record_block_owners=False,
+                      block_tables=opts.block_tables)
     print(f"# {runtime.device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{dtype}, prompts of {opts.prompt_len} tokens, {opts.max_tokens} new tokens each", flush=True)
+          f"{dtype}, prompts of {opts.prompt_len} tokens, {opts.max_tokens} new tokens each, "
+          f"block tables {opts.block_tables}", flush=True)
 
     llm = LLM(**llm_kw)
     hf = None if opts.skip_hf else load_transformers(dtype, device)

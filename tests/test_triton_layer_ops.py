@@ -1,4 +1,4 @@
-"""The model's two fused Triton kernels (kernels/triton/layer_ops.py) against the torch lines they
+"""The model's fused Triton kernels (kernels/triton/layer_ops.py) against the torch lines they
 replace, and the fused forward against the unfused one. Interpreted on a CPU, compiled on a GPU."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paged_attention import runtime
-from paged_attention.kernels.triton.layer_ops import add_rms_norm, rotary_
+from paged_attention.kernels.triton.layer_ops import add_rms_norm, rotary_, silu_and_mul
 from paged_attention.model import LlamaConfig, LlamaForCausalLM, random_weights
 from paged_attention.model.llama import RotaryEmbedding, rms_norm
 from tests.conftest import dtype_params
@@ -51,12 +51,29 @@ def test_rotary_in_place_on_a_strided_view_equals_torch(dtype):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)    # the value columns untouched
 
 
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_silu_and_mul_equals_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 2 * 1200, generator=g).to(DEV, dtype)     # 1200: two column blocks, the second masked
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_and_mul(x)
+    assert got.shape == (4, 1200)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    # Gate and up are not interchangeable: swapping the halves must change the result.
+    assert not torch.allclose(silu_and_mul(torch.cat([up, gate], dim=-1)), want, **_tol(dtype))
+
+
 def test_bad_shapes_are_refused():
     x = torch.zeros(4, 8, device=DEV)
     with pytest.raises(ValueError):
         add_rms_norm(x.t(), torch.ones(4, device=DEV), 1e-5)
     with pytest.raises(ValueError):
         add_rms_norm(x, torch.ones(8, device=DEV), 1e-5, torch.zeros(4, 9, device=DEV))
+    with pytest.raises(ValueError):
+        silu_and_mul(torch.zeros(4, 7, device=DEV))             # odd width: no gate/up halves
+    with pytest.raises(ValueError):
+        silu_and_mul(torch.zeros(8, 4, device=DEV).t())         # not contiguous
     rope = RotaryEmbedding(12, 8, 10000.0, DEV)
     with pytest.raises(ValueError, match="power of two"):
         rotary_(torch.zeros(2, 1, 12, device=DEV), rope.cos_sin, torch.zeros(2, dtype=torch.long, device=DEV))

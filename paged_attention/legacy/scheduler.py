@@ -120,8 +120,7 @@ class FcfsScheduler:
 
     def _insert(self, queue: list[str], request_id: str) -> None:
         """Put a request into a queue at its arrival position."""
-        keys = [self._order[r] for r in queue]
-        queue.insert(bisect.bisect(keys, self._order[request_id]), request_id)
+        queue.insert(bisect.bisect(queue, self._order[request_id], key=self._order.__getitem__), request_id)
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -158,16 +157,18 @@ class FcfsScheduler:
                 self.running.append(rid)
 
         # 2. Swap groups back in, oldest first, unless this step was short of memory.
+        load = self._batch_load()
         if not preempted:
             while self.swapped:
                 rid = self.swapped[0]
                 group = self.groups[rid]
-                if not self._batch_has_room(group.num_seqs(SequenceStatus.SWAPPED), 1):
+                if not self._batch_has_room(load, group.num_seqs(SequenceStatus.SWAPPED), 1):
                     break
                 status = mgr.can_swap_in(group, num_lookahead_slots=0)
                 if status == AllocStatus.OK:
                     self.swapped.pop(0)
                     self._swap_in(group, record)
+                    self._add_to_load(load, group)
                     continue
                 if status == AllocStatus.NEVER or not self.running:
                     # Even a GPU with nothing else on it would not take it back.
@@ -197,13 +198,14 @@ class FcfsScheduler:
                                                on_watermark=on_watermark))
                     break
                 seqs = group.get_seqs(SequenceStatus.WAITING)
-                if not self._batch_has_room(len(seqs), seqs[0].get_len()):
+                if not self._batch_has_room(load, len(seqs), seqs[0].get_len()):
                     record.events.append(Event(self.now, WAITED, rid, "the step's batch is full "
                                                f"({self._batch_limits()})"))
                     break
                 self.waiting.pop(0)
                 self._admit(group, record)
                 self._insert(self.running, rid)
+                self._add_to_load(load, group)
 
         # 4. What the model runs: each group's chunk, the tokens its sequences have not computed.
         for group, is_prefill in [(g, True) for g in record.prefills] + [(g, False) for g in record.decodes]:
@@ -262,16 +264,27 @@ class FcfsScheduler:
         self.now += 1
         return record.finished
 
-    def _batch_has_room(self, num_seqs: int, tokens_per_seq: int) -> bool:
+    def _batch_load(self) -> list[int]:
+        """[sequences, tokens] that the running groups put in this step's batch. Kept up to date
+        as groups join (``_add_to_load``), so that each admission checks in O(1), not O(running)."""
+        load = [0, 0]
+        for rid in self.running:
+            self._add_to_load(load, self.groups[rid])
+        return load
+
+    @staticmethod
+    def _add_to_load(load: list[int], group: SequenceGroup) -> None:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            load[0] += 1
+            load[1] += seq.get_len() - seq.data.get_num_computed_tokens()
+
+    def _batch_has_room(self, load: list[int], num_seqs: int, tokens_per_seq: int) -> bool:
         """Whether ``num_seqs`` more sequences of ``tokens_per_seq`` new tokens each fit this
-        step's batch limits, next to the running groups' one token per sequence."""
-        running = [s for rid in self.running for s in self.groups[rid].get_seqs(SequenceStatus.RUNNING)]
-        if self.max_num_seqs is not None and len(running) + num_seqs > self.max_num_seqs:
+        step's batch limits, next to the ``load`` already in it."""
+        if self.max_num_seqs is not None and load[0] + num_seqs > self.max_num_seqs:
             return False
-        if self.max_num_batched_tokens is not None:
-            tokens = sum(s.get_len() - s.data.get_num_computed_tokens() for s in running)
-            if tokens + num_seqs * tokens_per_seq > self.max_num_batched_tokens:
-                return False
+        if self.max_num_batched_tokens is not None and load[1] + num_seqs * tokens_per_seq > self.max_num_batched_tokens:
+            return False
         return True
 
     def _batch_limits(self) -> str:

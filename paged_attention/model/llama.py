@@ -218,11 +218,12 @@ class LlamaForCausalLM:
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                        kv_caches: list[KVCache], plan) -> torch.Tensor:
-        """The same layers with two fused Triton kernels (on a GPU): each residual add with the
-        RMSNorm after it, and the rotary embedding in place on the QKV output. The arithmetic is
+        """The same layers with fused Triton kernels (on a GPU): each residual add with the RMSNorm
+        after it, the rotary embedding in place on the QKV output, and SwiGLU's product. The
+        arithmetic is
         the unfused path's, in the same order and precision; a decode step launches about half
         as many kernels."""
-        from paged_attention.kernels.triton.layer_ops import add_rms_norm, rotary_
+        from paged_attention.kernels.triton.layer_ops import add_rms_norm, rotary_, silu_and_mul
 
         cfg = self.config
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
@@ -238,10 +239,10 @@ class LlamaForCausalLM:
             # residual += o_proj(o); x = rms_norm(residual)
             x = add_rms_norm(F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"]),
                              layer["post_attention_layernorm"], cfg.rms_norm_eps, residual)
-            gate, up = F.linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
+            act = silu_and_mul(F.linear(x, layer["gate_up_proj"]))
             # residual += down_proj(...); x = the next layer's input norm (the final norm after the last)
             next_norm = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else self.norm
-            x = add_rms_norm(F.linear(F.silu(gate) * up, layer["down_proj"]), next_norm, cfg.rms_norm_eps, residual)
+            x = add_rms_norm(F.linear(act, layer["down_proj"]), next_norm, cfg.rms_norm_eps, residual)
         last = batch.query_start_loc[1:].long() - 1
         return F.linear(x[last], self.lm_head).float()
 
