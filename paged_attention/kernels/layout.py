@@ -139,3 +139,50 @@ def v2_merge_weights(max_logits: Sequence[float], exp_sums: Sequence[float]) -> 
                          f"{len(max_logits)} and {len(exp_sums)}")
     top = max(max_logits)
     return [s * math.exp(m - top) for m, s in zip(max_logits, exp_sums)]
+
+
+@dataclass(frozen=True)
+class OnlineSoftmaxStep:
+    """The running state after one tile of scores: ``m`` the maximum so far, ``alpha`` the factor
+    that rescaled the earlier sums (``exp(m_before - m)``), ``l`` the sum of ``exp(score - m)``
+    and ``acc`` the sum of ``exp(score - m) * value``. ``acc / l`` is the attention output over
+    the tokens seen so far."""
+
+    tokens: range
+    tile_max: float
+    m: float
+    alpha: float
+    l: float
+    acc: tuple[float, ...]
+
+    @property
+    def output(self) -> tuple[float, ...]:
+        return tuple(a / self.l for a in self.acc)
+
+
+def online_softmax_steps(scores: Sequence[float], values: Sequence[Sequence[float]],
+                         tile: int) -> list[OnlineSoftmaxStep]:
+    """Softmax-weighted sum of ``values`` by ``scores``, one tile of tokens at a time, as the decode
+    kernels compute it: no score is kept, only a running maximum, sum and weighted sum, rescaled
+    by ``alpha`` whenever a tile brings a larger maximum. The last step's ``output`` equals
+    ``softmax(scores) @ values``; its ``(m, l)`` are what v2 and flash-decoding store per
+    partition for the merge (``v2_merge_weights``)."""
+    tile = check_int("tile", tile, 1)
+    if not len(scores) or len(scores) != len(values):
+        raise ValueError(f"scores and values must be non-empty and of the same length, got {len(scores)} "
+                         f"and {len(values)}")
+    width = len(values[0])
+    if any(len(v) != width for v in values):
+        raise ValueError("every value must have the same length")
+    m, l, acc, steps = -math.inf, 0.0, [0.0] * width, []
+    for lo in range(0, len(scores), tile):
+        part = range(lo, min(lo + tile, len(scores)))
+        tile_max = max(scores[j] for j in part)
+        m_new = max(m, tile_max)
+        alpha = math.exp(m - m_new)                  # 0 on the first tile (m = -inf)
+        p = [math.exp(scores[j] - m_new) for j in part]
+        l = l * alpha + sum(p)
+        acc = [a * alpha + sum(pj * values[j][d] for pj, j in zip(p, part)) for d, a in enumerate(acc)]
+        m = m_new
+        steps.append(OnlineSoftmaxStep(part, tile_max, m, alpha, l, tuple(acc)))
+    return steps

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 from matplotlib.patches import Rectangle
 
 from paged_attention.kernels.layout import (
-    CHUNK_BYTES, WARP_SIZE, ThreadMapping, v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights,
-    v2_partitions,
+    CHUNK_BYTES, WARP_SIZE, OnlineSoftmaxStep, ThreadMapping, online_softmax_steps, v0_key_offset, v0_value_offset,
+    v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
@@ -23,6 +23,7 @@ __all__ = [
     "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
     # the models drawn here, re-exported for the notebooks that import them with the drawings
     "ThreadMapping", "v0_key_offset", "v0_value_offset", "v1_thread_mapping", "v2_merge_weights", "v2_partitions",
+    "OnlineSoftmaxStep", "online_softmax_steps",
 ]
 
 # --------------------------------------------------------------------------------------------
