@@ -1,6 +1,8 @@
 """The checkers of 06_paged_attention_kernels accept the right answers and reject wrong ones."""
 import math
 
+import pytest
+
 import paged_attention.exercises.kernels as ex
 
 
@@ -15,9 +17,10 @@ def test_key_offset(capsys):
 
 
 def test_partition_tokens():
-    assert ex.partition_tokens(3, 1024, 1400)
-    assert not ex.partition_tokens(3, 1024, 1536)  # the last partition stops at seq_len
-    assert not ex.partition_tokens(2, 1024, 1400)
+    assert ex.partition_tokens(5, 2048, 2100)
+    assert not ex.partition_tokens(5, 2048, 2560)  # the last partition stops at seq_len
+    assert not ex.partition_tokens(4, 2048, 2100)
+    assert not ex.partition_tokens(5, 1536, 2048)  # partition 3, not 4
     assert ex.partition_tokens(1, 0, 512, seq_len=512, p=0)
     assert not ex.partition_tokens(2, 0, 0, seq_len=512, p=1)  # no partition 1 at all
 
@@ -37,3 +40,12 @@ def test_merge_weights():
     assert not ex.merge_weights([math.exp(-2), 1.0, math.exp(-1)])   # the exp factors alone
     assert not ex.merge_weights(right[:2])
     assert ex.merge_weights([2.0], max_logits=[7.0], exp_sums=[2.0])
+
+
+def test_v1_context_limit():
+    assert ex.v1_context_limit(58112)
+    assert ex.v1_context_limit(57000)              # within 5 %: the scratch arrays take a little
+    assert not ex.v1_context_limit(58112 * 2)      # two bytes a score: the scores are float32
+    assert not ex.v1_context_limit(227 * 1024)     # bytes, not tokens
+    with pytest.raises(TypeError):
+        ex.v1_context_limit(58112.0)

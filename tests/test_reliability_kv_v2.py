@@ -326,7 +326,7 @@ def _checkers():
         "overview.blocks_for_request/2": lambda a: ov.blocks_for_request(32, a),
         "overview.slot_of": lambda a: ov.slot_of(a, table, seq_lens, seq=0, token=5, block_size=4),
         "kernels.key_offset": lambda a: k.key_offset(a),
-        "kernels.partition_tokens": lambda a: k.partition_tokens(3, a, 1400),
+        "kernels.partition_tokens": lambda a: k.partition_tokens(5, a, 2100),
         "kernels.thread_group": lambda a: k.thread_group(a, 2),
         "kv_cache.bytes_per_token": lambda a: kv.bytes_per_token(a),
         "legacy.window_table": lambda a: lg.window_table([3, 3, 3, 4, 2], a),
@@ -338,7 +338,7 @@ def _checkers():
 
 
 RIGHT = {"overview.blocks_for_request": 32, "overview.blocks_for_request/2": 13,
-         "overview.slot_of": 5, "kernels.key_offset": 181, "kernels.partition_tokens": 1024,
+         "overview.slot_of": 5, "kernels.key_offset": 181, "kernels.partition_tokens": 2048,
          "kernels.thread_group": 4, "kv_cache.bytes_per_token": 131072, "legacy.window_table": 13,
          "legacy.next_ids": 4, "manager.parallel_sampling": 7, "v1.token_slot": 645,
          "v2.block_counts": 5}

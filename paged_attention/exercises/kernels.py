@@ -21,7 +21,7 @@ def key_offset(answer: int, d: int = 13, t: int = 6, block_size: int = 16, x: in
     )
 
 
-def partition_tokens(num_partitions: int, start: int, stop: int, seq_len: int = 1400, p: int = 2,
+def partition_tokens(num_partitions: int, start: int, stop: int, seq_len: int = 2100, p: int = 4,
                      partition_size: int = 512) -> bool:
     """Exercise 2: how many v2 partitions a sequence needs, and tokens ``[start, stop)`` of partition ``p``."""
     answer = (as_int(num_partitions, "num_partitions"), as_int(start, "start"), as_int(stop, "stop"))
@@ -63,4 +63,18 @@ def merge_weights(answer: Sequence[float], max_logits: Sequence[float] = (3.0, 5
         f"largest maximum, M = {max(max_logits):g}",
         "w_p = s_p * exp(m_p - M) with M the largest m_p: the partition holding M keeps its s_p, "
         "the others shrink",
+    )
+
+
+def v1_context_limit(answer: int, smem_bytes: int = 227 * 1024, logit_bytes: int = 4) -> bool:
+    """Exercise 5: about how many tokens of context fit v1's scores in one CUDA block's shared
+    memory (the query and the reduction scratch take a little more; within 5 % is right)."""
+    answer = as_int(answer, "answer")
+    expected = smem_bytes // logit_bytes
+    return report(
+        abs(answer - expected) <= 0.05 * expected,
+        f"{smem_bytes // 1024} KiB / {logit_bytes} bytes per float32 score = {expected} tokens, a little "
+        "less once the query and the reduction scratch are in shared memory too",
+        "v1 keeps one float32 score per token of the context in shared memory: divide the shared "
+        "memory a CUDA block may use by the bytes of one score",
     )
