@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # JupyterLab refuses to start as root unless told that it is fine.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test check bench vllm-kernels clean-venv
+.PHONY: lab test check bench book vllm-kernels clean-venv
 
 $(STAMP): requirements.txt requirements-model.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,11 @@ check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py
+
+# The executed notebooks as static HTML pages in build/book, links checked (README: "Reading
+# without installing: the static book"). Nothing is run: the pages show the saved outputs.
+book: $(STAMP)
+	$(PY) tools/build_book.py build/book --check
 
 # vLLM's compiled kernels, packed for a GPU machine (README: "vLLM's own kernels").
 vllm-kernels: $(STAMP)

@@ -93,7 +93,8 @@ def test_link_check_reports_planted_broken_links(built, tmp_path, capsys):
     text = "\n".join(problems)
     assert len(problems) == 6, text
     assert 'planted.html: href="99_missing.html": no file 99_missing.html' in text
-    assert f'planted.html: href="{good}#no-such-heading": no element with id "no-such-heading"' in text
+    assert (f'planted.html: href="{good}#no-such-heading": '
+            'no element with id "no-such-heading"') in text
     assert 'planted.html: href="#nowhere": no element with id "nowhere" in planted.html' in text
     assert f"missing page: {NOTEBOOKS[-1].stem}.html" in text
     assert "index.html does not link" not in text  # the index still links it: that link is broken
@@ -118,7 +119,9 @@ def test_links_between_notebooks_point_at_pages(tmp_path):
         nbformat.v4.new_code_cell("print('[not a link](01_second.ipynb)')"),
     ])
     second = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("# 01 · Second\n\n* a list first\n\n```python\nx = 1\n\ny = 2\n```\n\nThen a paragraph:"),
+        nbformat.v4.new_markdown_cell(
+            "# 01 · Second\n\n* a list first\n\n```python\nx = 1\n\ny = 2\n```\n\n"
+            "Then a paragraph:"),
         nbformat.v4.new_markdown_cell("## 2. Details\n\nBack to [the first](./00_first.ipynb)."),
     ])
     nbformat.write(first, src / "00_first.ipynb")
