@@ -21,6 +21,7 @@ from paged_attention.viz.kv_cache import (
 )
 from paged_attention.viz.engine import ENGINE_SYSTEMS, draw_engine_throughput
 from paged_attention.viz.memory import draw_waste_breakdown
+from paged_attention.viz.overview import GENERATIONS, PIPELINE, draw_pipeline
 from paged_attention.viz.source import Listing, source_excerpt
 from paged_attention.viz.paging import draw_block_table, draw_slot_mapping, slot_mapping
 from paged_attention.viz.style import CATEGORY_COLORS, IMPL_COLORS, SEQ_COLORS, seq_color
@@ -37,7 +38,7 @@ __all__ = [
     "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
     "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
     "v0_key_offset", "v0_value_offset", "ThreadMapping", "v1_thread_mapping", "v2_partitions",
-    "v2_merge_weights", "OnlineSoftmaxStep", "online_softmax_steps", "Listing", "source_excerpt",
+    "v2_merge_weights", "OnlineSoftmaxStep", "online_softmax_steps", "Listing", "source_excerpt", "GENERATIONS", "PIPELINE", "draw_pipeline",
     "draw_legacy_block_tables", "draw_hash_chain", "draw_eviction_order", "physical_blocks",
     "allocation_order", "eviction_order", "refcounts", "short_hash", "PhysicalBlock",
     "draw_pools_over_time", "draw_pool_over_time", "draw_sharing_savings", "owner_runs", "event_steps",
