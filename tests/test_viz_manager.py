@@ -154,3 +154,25 @@ def test_the_legend_lists_only_what_the_drawing_has():
     assert legend == ["a", "b", "shared by samples"]          # no swaps, waits or prefix sharing here
     titled = draw_pool_over_time(sched.history, 8, title="mine")
     assert titled.get_title() == "mine" and titled.get_title(loc="left") == ""
+
+
+def test_highlight_greys_out_every_other_request_and_mark_step_shades_one_column():
+    from matplotlib.colors import to_rgba
+
+    from paged_attention.viz.manager import FADED_COLOR
+
+    history = demo_history()
+    gpu_ax, _ = draw_pools_over_time(history, 32, 16, highlight="r7", mark_step=5)
+    runs = owner_runs(history, "GPU")
+    for run, bars in zip(runs, gpu_ax.collections):
+        want = request_color(7) if run.owner.request_ids[0] == "r7" else FADED_COLOR
+        assert bars.get_facecolor()[0].tolist() == pytest.approx(list(to_rgba(want, 0.9)))
+    assert any(r.owner.request_ids[0] == "r7" for r in runs)
+    shaded = [p for p in gpu_ax.patches if p.get_x() == pytest.approx(4.5) and p.get_width() == pytest.approx(1.0)]
+    assert len(shaded) == 1
+    plt.close("all")
+    before = len(plt.get_fignums())
+    for bad in ({"highlight": "r99"}, {"mark_step": len(history)}, {"mark_step": 1.5}):
+        with pytest.raises(ValueError):
+            draw_pools_over_time(history, 32, 16, **bad)
+    assert len(plt.get_fignums()) == before          # refused before any figure was made

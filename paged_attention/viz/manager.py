@@ -18,13 +18,15 @@ from matplotlib.patches import Patch
 
 from paged_attention.legacy.records import RECOMPUTED, SWAPPED_IN, SWAPPED_OUT, WAITED, BlockOwner, StepRecord
 from paged_attention.legacy.sharing_sim import MODES, PAPER_SAVINGS, SharingSavings
-from paged_attention.utils import check_int
+from paged_attention.utils import check_int, is_int
 from paged_attention.viz.legacy import SHARED_HATCH
 from paged_attention.viz.style import EDGE_COLOR, PAPER_COLOR, SEQ_COLORS, new_axes
 
 # Twelve request colours: the sequence colours first, so that request 0 looks like sequence 0.
 REQUEST_COLORS: tuple[str, ...] = SEQ_COLORS + ("#E45756", "#9D755D", "#EECA3B", "#8CD17D", "#D37295", "#79706E")
 CROSS_HATCH = "xxxx"          # a block held by several requests (a shared prefix)
+FADED_COLOR = "#DDDDDD"       # the requests not highlighted
+MARK_COLOR = "#F2CF5B"        # the step a stepper shows
 SWAP_OUT_COLOR = "#C0392B"
 SWAP_IN_COLOR = "#1E8449"
 MODE_LABELS = {"parallel": "parallel sampling", "beam": "beam search"}
@@ -141,7 +143,8 @@ def _legend_handles(history: list[StepRecord], requests: list[str], colors: Mapp
 
 
 def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: str = "GPU", ax: Any = None,
-                        colors: Mapping[str, str] | None = None, legend: bool = True, title: str | None = None) -> Any:
+                        colors: Mapping[str, str] | None = None, legend: bool = True, title: str | None = None,
+                        highlight: str | None = None) -> Any:
     """One pool (``"GPU"`` or ``"CPU"``) of ``num_blocks`` blocks over the steps of ``history``.
 
     A cell (step, block) is coloured by the request holding the block after that step was
@@ -149,7 +152,8 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
     request hold it; ``xxxx``: several requests do (a shared prefix). Red and green dashed
     lines: a group swapped out / in. On the GPU, ``▼`` marks a step where admission waited only
     for the watermark, ``✕`` a preemption by recomputation. ``title`` replaces the small
-    "GPU pool: N blocks" label.
+    "GPU pool: N blocks" label. ``highlight``: a request id; every other request is drawn grey,
+    so that one request can be followed through admission, swaps and preemption.
     """
     history = _checked_history(history)
     device = _device(device)
@@ -163,6 +167,7 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
     missing = [rid for rid in requests if rid not in colors]
     if missing:
         raise ValueError(f"colors has no colour for request {missing[0]!r}")
+    colors = _highlighted(colors, requests, highlight)
 
     first, last = history[0].step, history[-1].step
     ax = new_axes(ax, figsize=(min(15.0, 3.0 + 0.16 * len(history)), 0.8 + 0.09 * max(num_blocks, 8)))
@@ -202,13 +207,31 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
     return ax
 
 
+def _highlighted(colors: Mapping[str, str], requests: list[str], highlight: str | None) -> dict[str, str]:
+    """``colors`` with every request but ``highlight`` greyed out (unchanged when it is None)."""
+    if highlight is None:
+        return dict(colors)
+    if highlight not in requests:
+        raise ValueError(f"highlight must be one of the requests drawn ({', '.join(requests)}), got {highlight!r}")
+    return {rid: (color if rid == highlight else FADED_COLOR) for rid, color in colors.items()}
+
+
 def draw_pools_over_time(history: Sequence[StepRecord], num_gpu_blocks: int, num_cpu_blocks: int,
-                         axes: Sequence[Any] | None = None, title: str | None = None) -> tuple[Any, Any]:
-    """The GPU pool above the CPU pool, on one time axis (see ``draw_pool_over_time``).
+                         axes: Sequence[Any] | None = None, title: str | None = None,
+                         highlight: str | None = None, mark_step: int | None = None) -> tuple[Any, Any]:
+    """The GPU pool above the CPU pool, on one time axis (see ``draw_pool_over_time``;
+    ``highlight`` greys out every request but one; ``mark_step`` shades one step's column).
 
     ``axes``: two Axes to draw on (GPU, CPU), or None for a new figure. Returns them.
     """
     history = _checked_history(history)
+    if mark_step is not None:
+        steps = range(history[0].step, history[-1].step + 1)
+        if not is_int(mark_step) or mark_step not in steps:
+            raise ValueError(f"mark_step must be one of the steps drawn ({steps.start} to {steps.stop - 1}), "
+                             f"got {mark_step!r}")
+    requests = _request_order(history)
+    colors = _highlighted({rid: request_color(i) for i, rid in enumerate(requests)}, requests, highlight)
     if axes is None:
         import matplotlib.pyplot as plt
 
@@ -218,10 +241,12 @@ def draw_pools_over_time(history: Sequence[StepRecord], num_gpu_blocks: int, num
     elif len(axes) != 2:
         raise ValueError(f"axes must be two Axes (GPU, CPU), got {len(axes)}")
     gpu_ax, cpu_ax = axes
-    colors = {rid: request_color(i) for i, rid in enumerate(_request_order(history))}
     draw_pool_over_time(history, num_gpu_blocks, "GPU", ax=gpu_ax, colors=colors, legend=True)
     draw_pool_over_time(history, num_cpu_blocks, "CPU", ax=cpu_ax, colors=colors, legend=False)
     gpu_ax.set_xlabel("")
+    if mark_step is not None:
+        for ax in axes:
+            ax.axvspan(mark_step - 0.5, mark_step + 0.5, color=MARK_COLOR, alpha=0.45, zorder=4)
     for ax in axes:
         ax.set_title("", loc="left")        # the block ids' labels say which pool
     gpu_ax.set_title(title if title is not None else
