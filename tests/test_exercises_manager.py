@@ -37,3 +37,12 @@ def test_swap_footprint():
     assert ex.swap_footprint(4, 4, n=1)                     # one sample: nothing to lose
     with pytest.raises(TypeError):
         ex.swap_footprint(16.0, 16)
+
+
+def test_watermark_swaps():
+    assert ex.watermark_swaps(4, 2)
+    assert not ex.watermark_swaps(2, 4)                      # the other way round
+    assert not ex.watermark_swaps(3, 3)                      # section 3's own watermark, twice
+    assert ex.watermark_swaps(4, 1, watermark=0.5)
+    with pytest.raises(TypeError):
+        ex.watermark_swaps("4", 2)

@@ -339,7 +339,7 @@ def _checkers():
 
 RIGHT = {"overview.blocks_for_request": 32, "overview.blocks_for_request/2": 13,
          "overview.slot_of": 5, "kernels.key_offset": 181, "kernels.partition_tokens": 2048,
-         "kernels.thread_group": 4, "kv_cache.bytes_per_token": 131072, "legacy.window_table": 13,
+         "kernels.thread_group": 4, "kv_cache.bytes_per_token": 57344, "legacy.window_table": 13,
          "legacy.next_ids": 4, "manager.parallel_sampling": 7, "v1.token_slot": 645,
          "v2.block_counts": 5}
 

@@ -19,11 +19,11 @@ def _layers(num_layers: int, num_kv_heads: int, head_size: int) -> dict[str, Att
             for i in range(num_layers)}
 
 
-def bytes_per_token(answer: int, num_layers: int = 32, num_kv_heads: int = 8, head_size: int = 128,
+def bytes_per_token(answer: int, num_layers: int = 28, num_kv_heads: int = 4, head_size: int = 128,
                     dtype: torch.dtype = torch.bfloat16) -> bool:
     """Exercise 1: how many bytes of KV cache does one token take in a model of ``num_layers``
-    layers with ``num_kv_heads`` KV heads of ``head_size`` in ``dtype`` (default: Llama-3-8B's
-    shape in bf16)?"""
+    layers with ``num_kv_heads`` KV heads of ``head_size`` in ``dtype`` (default: Qwen2.5-7B's
+    shape in bf16, a model the notebook's table does not list)?"""
     spec = FullAttentionSpec(block_size=1, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     expected = spec.page_size_bytes * num_layers
     return report(
@@ -35,7 +35,7 @@ def bytes_per_token(answer: int, num_layers: int = 32, num_kv_heads: int = 8, he
     )
 
 
-def num_blocks(answer: int, available_gib: int = 4, num_layers: int = 32, num_kv_heads: int = 8,
+def num_blocks(answer: int, available_gib: int = 4, num_layers: int = 28, num_kv_heads: int = 4,
                head_size: int = 128, block_size: int = 16) -> bool:
     """Exercise 2: ``available_gib`` GiB for the KV cache of the model of exercise 1 (bf16),
     blocks of ``block_size`` tokens. How many blocks does ``get_kv_cache_config`` make?"""

@@ -110,3 +110,30 @@ def swap_footprint(cpu_blocks: object, gpu_blocks: object, prompt_len: int = 13,
         "swap_out moves each sequence's table on its own: a block held by several samples gets a new "
         "id (and a copy) for each of them, on the way out and on the way back",
     )
+
+
+def _swap_outs(watermark: float) -> int:
+    """Section 3's workload and pools, run with ``watermark``: how many swap-outs happen."""
+    from paged_attention.legacy.records import SWAPPED_OUT
+    from paged_attention.legacy.workload import SimulatedEngine, synthetic_workload
+
+    requests = synthetic_workload(10, seed=4, n=(1, 1, 2, 3), arrival_every=1.5, mean_prompt_len=16,
+                                  mean_output_len=16, max_len=48)
+    engine = SimulatedEngine(SelfAttnBlockSpaceManager(4, num_gpu_blocks=32, num_cpu_blocks=16, watermark=watermark),
+                             requests)
+    engine.run()
+    return sum(1 for event in engine.events if event.kind == SWAPPED_OUT)
+
+
+def watermark_swaps(swaps_without: object, swaps_with: object, watermark: float = 0.2) -> bool:
+    """Exercise 4: section 3's workload with ``watermark=0.0`` and with ``watermark`` (0.2): how
+    many times is a group swapped out in each run?"""
+    answer = (as_int(swaps_without, "swaps_without"), as_int(swaps_with, "swaps_with"))
+    expected = (_swap_outs(0.0), _swap_outs(watermark))
+    return report(
+        answer == expected,
+        f"{expected[0]} swap-outs without a watermark, {expected[1]} with {watermark}: admitting less "
+        "leaves the running requests room to grow",
+        "run SimulatedEngine on section 3's requests with a new manager for each watermark, and count "
+        "the events of kind SWAPPED_OUT",
+    )
