@@ -236,3 +236,21 @@ def test_decode_times_draws_one_line_per_implementation():
 def test_decode_times_rejects_bad_arguments(contexts, times, match):
     with pytest.raises(ValueError, match=match):
         draw_decode_times(contexts, times)
+
+
+def test_draw_decode_bandwidth_turns_times_into_read_rates_under_the_copy_ceiling():
+    from paged_attention.viz import draw_decode_bandwidth
+
+    contexts, kv = [512, 1024], [10**9, 2 * 10**9]                 # bytes read per step
+    times = {"CUDA v1": [1000.0, 2500.0], "Triton": [500.0, 1000.0]}   # µs
+    ax = draw_decode_bandwidth(contexts, times, kv, 3e12)
+    lines = {line.get_label(): line for line in ax.lines}
+    assert list(lines["Triton"].get_ydata()) == pytest.approx([2.0, 2.0])       # 1e9 B / 500 µs = 2 TB/s
+    assert list(lines["CUDA v1"].get_ydata()) == pytest.approx([1.0, 0.8])
+    ceiling = [line for name, line in lines.items() if name.startswith("device copy")]
+    assert len(ceiling) == 1 and list(ceiling[0].get_ydata()) == pytest.approx([3.0, 3.0])
+    assert lines["Triton"].get_zorder() > lines["CUDA v1"].get_zorder()          # drawn on top
+    for bad in (dict(kv_bytes=[1]), dict(copy_bytes_per_s=0)):
+        args = dict(kv_bytes=kv, copy_bytes_per_s=3e12) | bad
+        with pytest.raises(ValueError):
+            draw_decode_bandwidth(contexts, times, **args)

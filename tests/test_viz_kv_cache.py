@@ -85,8 +85,14 @@ def test_draw_shared_tensors_hybrid_and_sharing():
     config = au.get_kv_cache_config(specs, 2 * 2 * 512, shared_kv_cache_layers=shared)
     ax = draw_shared_tensors(config, shared)
     texts = [t.get_text() for t in ax.texts]
-    assert texts.count("layers.0.attn") == 1 and "layers.3.attn\n(= layers.0.attn)" in texts
+    assert texts.count("layers.0.attn: views all of tensor 0") == 1
+    assert "layers.3.attn (reuses layers.0.attn): views all of tensor 0" in texts
     assert sum(t.startswith("tensor ") for t in texts) == len(config.kv_cache_tensors) == 2
     hatched = [p for p in ax.patches if p.get_hatch()]
     assert len(hatched) == 1
+    # Every layer's band spans its whole buffer (the layers share the bytes, they do not split them).
+    buffers = [p for p in ax.patches if p.get_facecolor()[:3] == pytest.approx((0xEE / 255,) * 3)]
+    bands = [p for p in ax.patches if p not in buffers]
+    assert len(buffers) == 2 and len(bands) == 4
+    assert all(b.get_x() == buffers[0].get_x() and b.get_width() == buffers[0].get_width() for b in bands)
     plt.close("all")

@@ -308,3 +308,22 @@ def test_draw_eviction_order_empty_and_bad_input():
         draw_eviction_order(naive)
     with pytest.raises(TypeError, match="allocator"):
         draw_eviction_order("gpu")
+
+
+def test_hash_chain_marks_exactly_the_prefix_cache_hits():
+    from paged_attention.legacy.block_table import BlockTable
+    from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+    from paged_attention.utils import Device
+    from paged_attention.viz import draw_hash_chain
+
+    pc = CpuGpuBlockAllocator.create("prefix_caching", num_gpu_blocks=12, num_cpu_blocks=0, block_size=4)
+    system = [1, 2, 3, 4, 5, 6, 7, 8]
+    prompts = {"A": system + [20, 21], "B": system + [30, 31, 32, 33, 34], "C": [9, 9, 9, 9] + system}
+    tables = {name: BlockTable(4, pc) for name in prompts}
+    for name, table in tables.items():
+        table.allocate(prompts[name])
+    ax = draw_hash_chain({name: t.blocks for name, t in tables.items()})
+    hits = [t for t in ax.texts if t.get_text() == "hit"]
+    # B's two system blocks hit; C's do not (another first block changes every later hash).
+    lookups = 2 + 3 + 3
+    assert len(hits) == round(pc.get_prefix_cache_hit_rate(Device.GPU) * lookups) == 2

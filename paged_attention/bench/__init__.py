@@ -8,7 +8,8 @@ The names notebooks call are also here: ``from paged_attention import bench`` th
 ``bench.decode_table()``, ``bench.kernel_times()``, ``bench.slot_mapping_times(...)``.
 """
 from paged_attention.bench.decode import (CUDA_SHAPES, DECODE_SHAPES, MODEL, DecodeTiming, cuda_attention_table,
-                                          decode_table, kernel_times, sweep, time_decode)
+                                          decode_table, kernel_times, kv_bytes_per_step, sweep,
+                                          time_decode)
 from paged_attention.bench.slot_mapping import (SLOT_MAPPING_BATCH_SWEEP, SLOT_MAPPING_IMPLS,
                                                 SLOT_MAPPING_TOKEN_SWEEP, slot_mapping_batch, slot_mapping_times)
 from paged_attention.bench.timing import (best_us, copy_bandwidth, cpu_name, graph_time_ms, time_ms,
@@ -16,7 +17,7 @@ from paged_attention.bench.timing import (best_us, copy_bandwidth, cpu_name, gra
 
 __all__ = [
     "CUDA_SHAPES", "DECODE_SHAPES", "MODEL", "DecodeTiming", "cuda_attention_table", "decode_table", "kernel_times",
-    "sweep", "time_decode", "SLOT_MAPPING_BATCH_SWEEP", "SLOT_MAPPING_IMPLS", "SLOT_MAPPING_TOKEN_SWEEP",
+    "kv_bytes_per_step", "sweep", "time_decode", "SLOT_MAPPING_BATCH_SWEEP", "SLOT_MAPPING_IMPLS", "SLOT_MAPPING_TOKEN_SWEEP",
     "slot_mapping_batch", "slot_mapping_times", "best_us", "copy_bandwidth", "cpu_name", "graph_time_ms",
     "time_ms", "warm_up",
 ]

@@ -194,6 +194,13 @@ def cuda_attention_table(shapes=CUDA_SHAPES, print_fn=print) -> list[dict]:
     return rows
 
 
+def kv_bytes_per_step(batch: int, context: int, model: dict = MODEL) -> int:
+    """Bytes of keys and values one decode step over ``batch`` sequences of ``context`` tokens reads
+    (each cached K and V element once): the numerator of a read rate."""
+    element = torch.empty(0, dtype=model["dtype"]).element_size()
+    return 2 * batch * context * model["num_kv_heads"] * model["head_size"] * element
+
+
 def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: int = 8,
                  print_fn=print) -> tuple[list[int], dict[str, list[float]]]:
     """Decode time (µs) against context length for CUDA v1, v2, Triton, vLLM's FA3 (where its

@@ -5,7 +5,7 @@ Axes it drew on, never calls ``plt.show()`` and draws the same picture for the s
 The palette lives in :mod:`paged_attention.viz.style`.
 """
 from paged_attention.viz.kernels import (
-    OnlineSoftmaxStep, ThreadMapping, draw_decode_times, online_softmax_steps, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
+    OnlineSoftmaxStep, ThreadMapping, draw_decode_bandwidth, draw_decode_times, online_softmax_steps, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
     v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
 from paged_attention.legacy.cpu_gpu_block_allocator import allocation_order, eviction_order, refcounts
@@ -36,7 +36,7 @@ from paged_attention.viz.v2 import (
 
 __all__ = [
     "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
-    "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
+    "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times", "draw_decode_bandwidth",
     "v0_key_offset", "v0_value_offset", "ThreadMapping", "v1_thread_mapping", "v2_partitions",
     "v2_merge_weights", "OnlineSoftmaxStep", "online_softmax_steps", "Listing", "source_excerpt", "GENERATIONS", "PIPELINE", "draw_pipeline",
     "draw_legacy_block_tables", "draw_hash_chain", "draw_eviction_order", "physical_blocks",

@@ -16,11 +16,12 @@ from paged_attention.kernels.layout import (
 )
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
-    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, is_int, new_axes, plot_times, positive_int, seq_color, times_series,
+    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, impl_color, is_int, new_axes, plot_times, positive_int, seq_color,
+    times_series,
 )
 
 __all__ = [
-    "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times",
+    "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times", "draw_decode_bandwidth",
     # the models drawn here, re-exported for the notebooks that import them with the drawings
     "ThreadMapping", "v0_key_offset", "v0_value_offset", "v1_thread_mapping", "v2_merge_weights", "v2_partitions",
     "OnlineSoftmaxStep", "online_softmax_steps",
@@ -315,6 +316,53 @@ def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[floa
         raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
     series = times_series(times_us, len(contexts), "contexts", allow_gaps=True)
 
-    return plot_times(new_axes(ax, figsize=(7.0, 4.0)), contexts, series, "context length (tokens)",
-                      "decode time (µs, log scale)",
-                      title if title is not None else "Decode attention time against context length")
+    ax = plot_times(new_axes(ax, figsize=(7.0, 4.0)), contexts, series, "context length (tokens)",
+                    "decode time (µs, log scale)",
+                    title if title is not None else "Decode attention time against context length")
+    _bring_forward(ax, "Triton")
+    return ax
+
+
+def _bring_forward(ax: Any, name: str) -> None:
+    """Draw ``name``'s line over the others, thicker, so that lines close to it cannot hide it."""
+    for line in ax.lines:
+        if line.get_label() == name:
+            line.set_zorder(5)
+            line.set_linewidth(2.6)
+
+
+def draw_decode_bandwidth(contexts: Sequence[int], times_us: dict[str, Sequence[float | None]],
+                          kv_bytes: Sequence[int], copy_bytes_per_s: float, ax: Any = None,
+                          title: str | None = None) -> Any:
+    """The same timings as KV-cache read rate (TB/s: ``kv_bytes[i]`` over the time), against the
+    context, with the device-to-device copy rate measured in the same run as the ceiling: a decode
+    step reads every cached key and value once, so that is how close a kernel gets to the
+    memory's speed. Triton's line is drawn on top."""
+    if hasattr(contexts, "tolist"):
+        contexts = contexts.tolist()
+    contexts = list(contexts)
+    if not contexts or not all(is_int(c) and c > 0 for c in contexts):
+        raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
+    if len(kv_bytes) != len(contexts) or not all(is_int(b) and b > 0 for b in kv_bytes):
+        raise ValueError(f"kv_bytes must hold one positive int per context, got {kv_bytes!r}")
+    if not isinstance(copy_bytes_per_s, (int, float)) or not copy_bytes_per_s > 0:
+        raise ValueError(f"copy_bytes_per_s must be a positive number, got {copy_bytes_per_s!r}")
+    series = times_series(times_us, len(contexts), "contexts", allow_gaps=True)
+    ax = new_axes(ax, figsize=(7.0, 4.0))
+    for i, (name, times) in enumerate(series.items()):
+        rates = [b / (t * 1e-6) / 1e12 if t == t else float("nan") for b, t in zip(kv_bytes, times)]
+        ax.plot(contexts, rates, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
+    ax.axhline(copy_bytes_per_s / 1e12, color=MUTED_COLOR, ls="--", lw=1.2,
+               label=f"device copy, read + write ({copy_bytes_per_s / 1e12:.2f} TB/s)")
+    _bring_forward(ax, "Triton")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_ylim(0, copy_bytes_per_s / 1e12 * 1.15)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("KV cache read (TB/s)")
+    ax.grid(True, which="major", alpha=0.3)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(fontsize=7, frameon=False, loc="lower right")
+    ax.set_title(title if title is not None else "KV-cache read rate against context length", fontsize=10)
+    return ax

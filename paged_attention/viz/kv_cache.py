@@ -132,39 +132,57 @@ def draw_element_order(block_size: int, num_kv_heads: int, head_size: int, layou
 
 def draw_shared_tensors(kv_cache_config: Any, shared_kv_cache_layers: dict[str, str] | None = None,
                         ax: Any = None) -> Any:
-    """Each ``KVCacheTensor`` as a row with its size, and a box per layer that views it, coloured
-    by the layer's KV-cache group; layers that reuse another layer's cache (KV sharing) are
-    drawn hatched on their target's buffer."""
+    """Each ``KVCacheTensor`` as one buffer (a bar cut into its blocks) with, stacked over it, a
+    band for every layer that views it, spanning the whole buffer: the layers do not split the
+    buffer, each sees all of it (a block id is given to one group at a time). Bands are coloured
+    by the layer's KV-cache group; a layer that reuses another layer's cache (KV sharing) is
+    hatched, over its target's buffer."""
     shared = dict(shared_kv_cache_layers or {})
     group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups)
                 for name in group.layer_names}
     tensors = kv_cache_config.kv_cache_tensors
     rows = [list(t.shared_by) + [s for s, target in shared.items() if target in t.shared_by]
             for t in tensors]
-    width = max(len(r) for r in rows)
-    ax = new_axes(ax, (3 + 2.2 * width, 0.7 + 0.6 * len(tensors)))
+    num_blocks = kv_cache_config.num_blocks
+    cells = min(num_blocks, 16)                  # beyond 16 blocks, the bar is drawn uncut
+    length, band = 8.0, 0.32
+    heights = [0.5 + band * len(names) + 0.45 for names in rows]
+    ax = new_axes(ax, (11, 0.6 + 0.75 * sum(heights)))
+    y = 0.0
     for i, (tensor, names) in enumerate(zip(tensors, rows)):
-        y = -i
-        ax.text(-0.1, y + 0.35, f"tensor {i}: {tensor.size:,} B", ha="right", va="center", fontsize=8)
-        for j, name in enumerate(names):
-            g = group_of.get(name, 0)
-            ax.add_patch(_rect(j * 2.1, y, 2.0, seq_color(g), hatch="//" if name in shared else None))
-            label = name if name not in shared else f"{name}\n(= {shared[name]})"
-            ax.text(j * 2.1 + 1.0, y + 0.35, label, ha="center", va="center", fontsize=7,
-                    color="white")
+        y -= heights[i]
+        # The buffer: its blocks side by side.
+        ax.add_patch(_rect(0, y, length, "#EEEEEE", height=0.5))
+        for b in range(1, cells):
+            ax.plot([b * length / cells] * 2, [y, y + 0.5], color=MUTED_COLOR, lw=0.5)
+        block_label = "block {}" if cells == num_blocks else None
+        for b in range(cells if block_label else 0):
+            ax.text((b + 0.5) * length / cells, y + 0.25, block_label.format(b), ha="center", va="center",
+                    fontsize=6.5, color=EDGE_COLOR)
+        if block_label is None:
+            ax.text(length / 2, y + 0.25, f"{num_blocks:,} blocks", ha="center", va="center", fontsize=7)
+        ax.text(-0.15, y + 0.25, f"tensor {i}\n{tensor.size:,} B", ha="right", va="center", fontsize=8)
+        # The layers that view it, each over the whole buffer.
+        for k, name in enumerate(names):
+            yb = y + 0.55 + band * k
+            ax.add_patch(_rect(0, yb, length, seq_color(group_of.get(name, 0)), height=band * 0.85,
+                               hatch="//" if name in shared else None))
+            label = name if name not in shared else f"{name} (reuses {shared[name]})"
+            ax.text(0.1, yb + band * 0.42, f"{label}: views all of tensor {i}", ha="left", va="center",
+                    fontsize=7, color="white" if name not in shared else EDGE_COLOR)
     handles = [_rect(0, 0, 1, seq_color(g)) for g in range(len(kv_cache_config.kv_cache_groups))]
     labels = [f"group {g}: {type(grp.kv_cache_spec).__name__}"
               for g, grp in enumerate(kv_cache_config.kv_cache_groups)]
     ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_xlim(-3.2, 2.1 * width)
-    ax.set_ylim(-len(tensors) + 0.8, 1.0)
+    ax.set_xlim(-1.6, length + 0.1)
+    ax.set_ylim(y - 0.1, 0.1)
     ax.axis("off")
-    ax.set_title(f"{len(tensors)} raw buffers of {kv_cache_config.num_blocks} blocks each, "
-                 "and the layers that view them", fontsize=10)
+    ax.set_title(f"{len(tensors)} raw buffers of {num_blocks} blocks each; every layer over a buffer "
+                 "views all of it", fontsize=10)
     return ax
 
 
-def _rect(x: float, y: float, w: float, color: str, hatch: str | None = None):
+def _rect(x: float, y: float, w: float, color: str, hatch: str | None = None, height: float = 0.7):
     from matplotlib.patches import Rectangle
-    return Rectangle((x, y), w, 0.7, facecolor=color, edgecolor=EDGE_COLOR if hatch is None
+    return Rectangle((x, y), w, height, facecolor=color, edgecolor=EDGE_COLOR if hatch is None
                      else MUTED_COLOR, lw=0.6, hatch=hatch)

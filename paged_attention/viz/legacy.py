@@ -30,6 +30,7 @@ from paged_attention.legacy.prefix_caching_block import PrefixCachingBlock, Pref
 from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, seq_color
 
 NULL_COLOR = "#555555"     # the sliding window's null block
+HIT_COLOR = "#1E8449"   # a prefix-cache hit
 SHARED_HATCH = "////"      # a physical block held more than once
 _MASK64 = (1 << 64) - 1
 
@@ -284,9 +285,11 @@ def draw_hash_chain(blocks: Any, ax: Any = None) -> Any:
     content hash, with an arrow from the previous block's hash into it: a hash covers its
     block's tokens *and* the hash before it, so equal hashes mean equal prefixes. Blocks that
     are not full have no hash yet. A block in the prefix cache is shaded; one held by more than
-    one sequence (reference count > 1) is hatched.
+    one sequence (reference count > 1) is hatched. A block whose hash an earlier row already
+    has is a **prefix-cache hit**: a green outline, "hit", and a dotted line up to that block.
     """
     chains = _checked_chains(blocks)
+    first_seen: dict[int, tuple[float, float]] = {}     # hash -> (x, y) of its first block drawn
     width = max(len(chain) for chain in chains.values())
     box_w, pitch, row = 1.5, 2.1, 1.6
     ax = new_axes(ax, figsize=(min(15.0, 2.5 + 1.35 * width), 0.9 + 1.05 * len(chains)))
@@ -318,6 +321,15 @@ def draw_hash_chain(blocks: Any, ax: Any = None) -> Any:
                     family="monospace", color=EDGE_COLOR if content_hash is not None else MUTED_COLOR,
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="#F4F4F4" if content_hash is not None else "white",
                               edgecolor=MUTED_COLOR, lw=0.6))
+            if content_hash is not None and content_hash in first_seen:
+                hx, hy = first_seen[content_hash]
+                ax.add_patch(FancyBboxPatch((x, y), box_w, 0.5, boxstyle="round,pad=0.02", facecolor="none",
+                                            edgecolor=HIT_COLOR, lw=2.2, zorder=3))
+                ax.text(x + box_w + 0.05, y + 0.5, "hit", ha="left", va="bottom", fontsize=7, color=HIT_COLOR,
+                        fontweight="bold")
+                ax.plot([x + box_w - 0.15, hx + box_w - 0.15], [y + 0.5, hy - 0.55], ls=":", color=HIT_COLOR, lw=1.1)
+            elif content_hash is not None:
+                first_seen[content_hash] = (x, y)
             # The previous hash (or the start sentinel) feeds this block's hash.
             src_x = (j - 1) * pitch + box_w / 2 + 0.55 if j else -0.25
             ax.annotate("", xy=(x + 0.1, y + 0.1), xytext=(src_x, y - 0.4),
@@ -329,7 +341,7 @@ def draw_hash_chain(blocks: Any, ax: Any = None) -> Any:
     ax.set_ylim(-(len(chains) - 1) * row - 0.8, 1.0)
     ax.axis("off")
     ax.set_title("Prefix hashes: hash(previous hash, this block's tokens); shaded: in the prefix cache, "
-                 "hatched: shared", fontsize=9)
+                 "hatched: shared, green: a prefix-cache hit", fontsize=9)
     return ax
 
 
