@@ -170,7 +170,7 @@ def launch_floor_us() -> dict[str, float]:
     return {"eager": gpu_us(fn), "graph": graph_us(fn), "hot": hot_us(fn)}
 
 
-def wall_us(step: Callable[[int], object], n: int = 200, repeat: int = 3) -> float:
+def wall_us(step: Callable[[int], object], n: int = 100, repeat: int = 3) -> float:
     """Wall-clock microseconds per step, host work included: ``n`` steps back to back (the GPU
     works while the host prepares the next), one synchronisation at the end. The best of
     ``repeat`` such runs counts: a run that something else slowed down (the first one to touch
