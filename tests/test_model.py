@@ -224,7 +224,7 @@ def test_v0_layout_path(monkeypatch, decode_kernel):
     # what is checked is the model's side (layout, writes, v1/v2 choice, the prefill gather).
     from paged_attention.kernels import cuda, reference
     from paged_attention.model.attention import PagedAttention
-    monkeypatch.setattr(cuda, "reshape_and_cache", reference.reshape_and_cache)
+    monkeypatch.setattr(cuda, "reshape_and_cache", lambda *a, check_slots=True: reference.reshape_and_cache(*a))
     monkeypatch.setattr(cuda, "paged_attention_v1", lambda *a, check_ids=True: reference.paged_attention_v1(*a))
     monkeypatch.setattr(cuda, "paged_attention_v2", lambda *a, check_ids=True: reference.paged_attention_v2(*a))
     monkeypatch.setattr(cuda, "v1_max_seq_len", lambda head_size, device=None: 0 if decode_kernel == "v2" else 4096)
@@ -377,6 +377,15 @@ def test_inconsistent_step():
         model.forward(ids, positions, ForwardBatch(**{**vars(batch), "block_tables": tables}), pager.kv_caches)
     with pytest.raises(ValueError, match="seq_lens"):
         model.forward(ids, positions, ForwardBatch(**{**vars(batch), "max_seq_len": 2}), pager.kv_caches)
+    # A slot past the caches' end: refused once, by the model (its layers do not read the slots back).
+    for impl in ("reference", "triton"):
+        m = LlamaForCausalLM(TINY, TINY_WEIGHTS, attention=impl)
+        slots = batch.slot_mapping.clone()
+        slots[-1] = 4 * 8
+        before = [c.clone() for c in pager.kv_caches[0]]
+        with pytest.raises(ValueError, match="slot 32"):
+            m.forward(ids, positions, ForwardBatch(**{**vars(batch), "slot_mapping": slots}), pager.kv_caches)
+        assert all(torch.equal(a, b) for a, b in zip(before, pager.kv_caches[0]))   # nothing written
     wrong = allocate_kv_caches(TINY, 4, 8, device="cpu", dtype=torch.float16)
     with pytest.raises(TypeError, match="KV caches"):
         model.forward(ids, positions, batch, wrong)

@@ -54,3 +54,19 @@ def test_fp8_is_refused_with_a_pointer(device):
     one = torch.ones(1, device=device)
     with pytest.raises(KernelUnavailable, match="reference"):
         tk.reshape_and_cache_flash(key, key, *caches, torch.tensor([0, 1], device=device), "fp8", one, one)
+
+
+def test_check_slots_false_skips_only_the_read_back(device):
+    key = torch.randn(3, 2, 16, device=device)
+    caches = [torch.zeros(2, 8, 2, 16, device=device) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    slots, one = torch.tensor([0, 9, -1], device=device), torch.ones(1, device=device)
+    ref.reshape_and_cache_flash(key, key, *expected, slots, "auto", one, one)
+    tk.reshape_and_cache_flash(key, key, *caches, slots, "auto", one, one, check_slots=False)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    with pytest.raises(ValueError, match="slot 16"):        # checked by default
+        tk.reshape_and_cache_flash(key, key, *caches, torch.tensor([0, 16, 1], device=device), "auto", one, one)
+    with pytest.raises(TypeError, match="int64"):           # the other checks stay
+        tk.reshape_and_cache_flash(key, key, *caches, slots.int(), "auto", one, one, check_slots=False)
+    with pytest.raises(TypeError, match="check_slots"):
+        tk.reshape_and_cache_flash(key, key, *caches, slots, "auto", one, one, check_slots=1)

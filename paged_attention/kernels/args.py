@@ -196,14 +196,15 @@ def quant_scale(name: str, s: object, num_heads: int | None = None) -> torch.Ten
     return s
 
 
-def slots(name: str, slots: torch.Tensor, num_slots: int, max_tokens: int) -> None:
-    """Slots are int64, one per token (at most ``max_tokens``), and each < ``num_slots`` or negative."""
+def slots(name: str, slots: torch.Tensor, num_slots: int, max_tokens: int, check_values: bool = True) -> None:
+    """Slots are int64, one per token (at most ``max_tokens``), and each < ``num_slots`` or negative.
+    ``check_values=False`` skips the last check, the only one that reads the slots themselves."""
     tensor(name, slots, ndim=1, dtypes=(torch.int64,))
     if slots.numel() > max_tokens:
         raise ValueError(f"{name} has {slots.numel()} entries but only {max_tokens} tokens were given")
-    # Reading the slots is a device-to-host copy, which a CUDA-graph capture forbids: a captured
-    # step's slots are checked when the engine builds them, not here.
-    if slots.numel() and not _capturing(slots) and int(slots.max()) >= num_slots:
+    # Reading the slots is a device-to-host copy (a wait for the GPU), which a CUDA-graph capture
+    # forbids: a captured step's slots are checked when the engine builds them, not here.
+    if check_values and slots.numel() and not _capturing(slots) and int(slots.max()) >= num_slots:
         raise ValueError(
             f"{name} holds slot {int(slots.max())} but the cache has only {num_slots} slots "
             f"(num_blocks * block_size); negative slots mean 'skip this token'"
@@ -328,7 +329,7 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
 
 
 def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_slots: int, per_head_scale: bool) -> None:
+                       k_scale, v_scale, num_slots: int, per_head_scale: bool, check_slots: bool = True) -> None:
     """What both cache writes check once their caches' shapes are known."""
     tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES)
@@ -350,12 +351,15 @@ def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cach
     if k_scale.shape != v_scale.shape:
         raise ValueError(f"k_scale and v_scale must have the same shape, got {list(k_scale.shape)} "
                          f"and {list(v_scale.shape)}")
-    slots("slot_mapping", slot_mapping, num_slots, key.size(0))
+    slots("slot_mapping", slot_mapping, num_slots, key.size(0), check_values=check_slots)
 
 
 def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                            k_scale, v_scale) -> None:
-    """``reshape_and_cache``: new tokens into v0-layout caches."""
+                            k_scale, v_scale, check_slots: bool = True) -> None:
+    """``reshape_and_cache``: new tokens into v0-layout caches (``check_slots`` as for the flash
+    layout's check below)."""
+    if not isinstance(check_slots, bool):
+        raise TypeError(f"check_slots must be a bool, got {check_slots!r}")
     tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("key_cache", key_cache, ndim=5)
     tensor("value_cache", value_cache, ndim=4)
@@ -370,14 +374,16 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv
         )
     shape("value_cache", value_cache, (num_blocks, num_heads, head_size, block_size))
     _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False)
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=False, check_slots=check_slots)
 
 
 def check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                  k_scale, v_scale) -> None:
+                                  k_scale, v_scale, check_slots: bool = True) -> None:
     """``reshape_and_cache_flash``: new tokens into flash-layout caches (NHD or HND strides).
 
     Both caches are addressed with one block stride and read a head's elements as one run.
+    ``check_slots=False``: the slots' values are known good (the caller built them), so they are
+    not read back from the device (every other check looks at metadata only).
     """
     tensor("key", key, ndim=3)
     tensor("key_cache", key_cache, ndim=4)
@@ -390,8 +396,10 @@ def check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mappi
         raise ValueError(f"key_cache and value_cache must have the same block stride, got "
                          f"{key_cache.stride(0)} and {value_cache.stride(0)}")
     num_blocks, block_size = key_cache.shape[:2]
+    if not isinstance(check_slots, bool):
+        raise TypeError(f"check_slots must be a bool, got {check_slots!r}")
     _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True)
+                       k_scale, v_scale, num_blocks * block_size, per_head_scale=True, check_slots=check_slots)
 
 
 def check_block_mapping(block_mapping: torch.Tensor, num_src: int, num_dst: int) -> None:

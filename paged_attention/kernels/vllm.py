@@ -169,14 +169,17 @@ def reshape_and_cache_flash(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
     """vLLM's scatter of new tokens into flash-layout caches (NHD, or HND through strides).
 
     vLLM addresses both caches with the key cache's block, token and head strides, so the value
-    cache must have the same strides (K and V views of one cache tensor do)."""
+    cache must have the same strides (K and V views of one cache tensor do). ``check_slots=False``:
+    the slots are not read back to check their range (see the Triton front-end)."""
     ops = _cache_ops()
     args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, check_slots=check_slots)
     slots, ks, vs = _to_kernel(key, value, slot_mapping, k_scale, v_scale)
     if key_cache.stride() != value_cache.stride():
         raise KernelUnavailable(f"key_cache and value_cache must have the same strides for vLLM's kernels, got "

@@ -23,6 +23,8 @@ where Triton's interpreter is correct but slow.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -304,7 +306,7 @@ def _kernels(impl: str) -> tuple[Callable[..., None], DecodeFn]:
         def decode(attn, out, query, key_cache, value_cache, batch):
             kernels.paged_attention_decode(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                                            attn.scale, max_seq_len=batch.max_seq_len, check_ids=False)
-        return kernels.reshape_and_cache_flash, decode
+        return functools.partial(kernels.reshape_and_cache_flash, check_slots=False), decode
 
     if impl == "vllm":
         from paged_attention.kernels import vllm as kernels
@@ -315,7 +317,7 @@ def _kernels(impl: str) -> tuple[Callable[..., None], DecodeFn]:
                                         f"got {key_cache.size(1)}")
             kernels.paged_attention_decode(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                                            attn.scale, max_seq_len=batch.max_seq_len, check_ids=False)
-        return kernels.reshape_and_cache_flash, decode
+        return functools.partial(kernels.reshape_and_cache_flash, check_slots=False), decode
 
     if impl == "cuda":
         from paged_attention.kernels import cuda as kernels
@@ -339,6 +341,6 @@ def _kernels(impl: str) -> tuple[Callable[..., None], DecodeFn]:
             max_logits = torch.empty_like(exp_sums)
             tmp_out = torch.empty(*shape, head_dim, dtype=query.dtype, device=query.device)
             kernels.paged_attention_v2(out, exp_sums, max_logits, tmp_out, *common, check_ids=False)
-        return kernels.reshape_and_cache, decode
+        return functools.partial(kernels.reshape_and_cache, check_slots=False), decode
 
     raise ValueError(f"unknown attention implementation {impl!r}")

@@ -303,9 +303,13 @@ class LlamaForCausalLM:
         tables, seq_lens = batch.block_tables, batch.seq_lens.long()
         used = torch.arange(tables.size(1), device=tables.device)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
         bad_ids = (used & ((tables < 0) | (tables >= num_blocks))).any()
-        lo, hi, pmin, pmax, smin, smax, bad = torch.stack([
+        # One read back for every check (the cache writes then skip theirs: one per layer otherwise).
+        lo, hi, pmin, pmax, smin, smax, bad, slot_max = torch.stack([
             input_ids.min(), input_ids.max(), positions.min(), positions.max(),
-            seq_lens.min(), seq_lens.max(), bad_ids.long()]).tolist()
+            seq_lens.min(), seq_lens.max(), bad_ids.long(), batch.slot_mapping.max().long()]).tolist()
+        if slot_max >= num_blocks * block_size:
+            raise ValueError(f"batch.slot_mapping holds slot {slot_max}, but the caches have only "
+                             f"{num_blocks * block_size} slots (num_blocks * block_size)")
         if smin < 1 or smax > batch.max_seq_len:
             raise ValueError(f"batch.seq_lens must be in [1, max_seq_len={batch.max_seq_len}], got {smin} .. {smax}")
         if (smax + block_size - 1) // block_size > tables.size(1):

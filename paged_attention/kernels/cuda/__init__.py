@@ -129,11 +129,15 @@ def reshape_and_cache(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
-    """Scatter new tokens' keys and values into the v0-layout caches (``csrc/cache_kernels.cu``)."""
+    """Scatter new tokens' keys and values into the v0-layout caches (``csrc/cache_kernels.cu``).
+    ``check_slots=False``: the slots are not read back to check their range (see the Triton
+    front-end)."""
     ext = _extension()
     args.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                 k_scale, v_scale)
+                                 k_scale, v_scale, check_slots=check_slots)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
     args.rows_of_heads(_WHY, key=key, value=value)
     _contiguous(key_cache=key_cache, value_cache=value_cache)
@@ -150,11 +154,15 @@ def reshape_and_cache_flash(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
-    """Scatter new tokens into flash-layout caches, NHD or HND, scales per tensor or per head."""
+    """Scatter new tokens into flash-layout caches, NHD or HND, scales per tensor or per head.
+    ``check_slots=False``: the slots are not read back to check their range (see the Triton
+    front-end)."""
     ext = _extension()
     args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, check_slots=check_slots)
     _on_cuda(key=key, k_scale=k_scale, v_scale=v_scale)
     args.unit_last_stride(key=key, value=value)
     # The kernel takes the token and head strides of key and value, the block, token and head

@@ -59,16 +59,19 @@ def reshape_and_cache_flash(
     kv_cache_dtype: str,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_heads, head_size]`` into flash-layout caches.
 
     Same arguments and semantics as vLLM's op (``csrc/cache_kernels.cu``) for unquantized caches:
     only ``slot_mapping.size(0)`` tokens are written, negative slots are skipped. fp8 caches, and
     bf16 in the interpreter, raise ``KernelUnavailable`` (use ``kernels.reference``, or the CUDA
-    kernels).
+    kernels). ``check_slots=False`` skips the one check that reads the slots back from the device
+    (a wait for the GPU): for a caller that built them, as the model does once per step.
     """
     args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, check_slots=check_slots)
     if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
         raise KernelUnavailable(f"the Triton reshape_and_cache_flash writes unquantized caches only "
                                 f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or "
