@@ -12,6 +12,8 @@ requests, and at least 1,000 output tokens/s for a single request.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 from typing import Any, Optional
@@ -34,6 +36,19 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int 
     return [torch.randint(100, vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_requests)]
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """Collect first, then keep Python's garbage collector out of a timed run: a full collection
+    over the objects a loaded model (or a compiled one) leaves behind can take a second, and
+    would land in whichever run it happens to fall into."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Output tokens/s of ``llm.generate`` and where a decode step's time goes (milliseconds)."""
     from paged_attention.engine import SamplingParams
@@ -43,11 +58,12 @@ def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
     warm = [[(t + 1) % llm.config.vocab_size for t in p] for p in prompts]   # other prompts: no cache hits
     llm.generate(warm, params, use_tqdm=False)
     first_step, first_record = len(llm.engine.step_stats), len(llm.engine.history)
-    _sync(device)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
-    seconds = time.perf_counter() - start
+    with _no_gc():
+        _sync(device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(device)
+        seconds = time.perf_counter() - start
     steps = llm.engine.step_stats[first_step:]
     decodes = [s for s in steps if s.decode_only] or steps
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -89,11 +105,12 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int,
         kwargs["cache_implementation"] = cache_implementation
     with torch.inference_mode():
         model.generate(ids, **kwargs)                        # warm-up (the static cache compiles here)
-        _sync(device)
-        start = time.perf_counter()
-        out = model.generate(ids, **kwargs)
-        _sync(device)
-    seconds = time.perf_counter() - start
+        with _no_gc():
+            _sync(device)
+            start = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            _sync(device)
+            seconds = time.perf_counter() - start
     num_tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"tokens_per_s": num_tokens / seconds, "seconds": seconds, "num_tokens": num_tokens,
             "ms_per_decode_step": 1e3 * seconds / max_tokens}
