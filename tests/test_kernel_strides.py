@@ -28,8 +28,9 @@ from paged_attention.kernels import triton as tk
 from paged_attention.kernels import KernelUnavailable, vllm
 from paged_attention.kernels.workloads import assert_close_to_oracle, every_other, make_decode_problem
 
-FOUND_VLLM = vllm.available()[0] if runtime.HAS_CUDA else False
-needs_vllm = pytest.mark.skipif(not FOUND_VLLM, reason="vLLM's kernels not available")
+needs_fa3 = pytest.mark.skipif(not (runtime.HAS_CUDA and vllm.available("fa3")[0]), reason="vLLM's FA3 not available")
+needs_cache_ops = pytest.mark.skipif(not (runtime.HAS_CUDA and vllm.available("cache_ops")[0]),
+                                     reason="vLLM's cache ops not available")
 WRITTEN_FILL = 7.0            # what the gaps of a written view hold, and must still hold after
 
 
@@ -636,7 +637,7 @@ def test_cuda_attention_max_seq_len_contract():
 
 
 @pytest.mark.cuda
-@needs_vllm
+@needs_fa3
 def test_vllm_decode_with_strided_index_tensors():
     a, spare = _decode_args(torch.device("cuda"), dtype=torch.float16)
     a["alibi_slopes"] = None
@@ -653,7 +654,7 @@ def test_vllm_decode_with_strided_index_tensors():
 
 
 @pytest.mark.cuda
-@needs_vllm
+@needs_cache_ops
 def test_vllm_cache_writes_with_strided_views():
     a = _make_flash_write(torch.device("cuda"))
     a["k_scale"], a["v_scale"] = (torch.ones(1, device="cuda") for _ in range(2))

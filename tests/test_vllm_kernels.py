@@ -16,12 +16,19 @@ from paged_attention.kernels import triton as tk
 from paged_attention.kernels import vllm
 from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
 
-FOUND, WHERE = vllm.available() if runtime.HAS_CUDA else (False, "no GPU")
+FOUND = {lib: vllm.available(lib) if runtime.HAS_CUDA else (False, "no GPU") for lib in vllm.LIBRARIES}
 
 
-def needs_vllm(test):
-    """A GPU test that also needs vLLM's libraries: skipped, with the reason, without them."""
-    return pytest.mark.cuda(pytest.mark.skipif(not FOUND, reason=f"vLLM's kernels not available: {WHERE}")(test))
+def _needs(library):
+    ok, why = FOUND[library]
+
+    def mark(test):
+        """A GPU test that also needs one of vLLM's libraries: skipped, with the reason, without it."""
+        return pytest.mark.cuda(pytest.mark.skipif(not ok, reason=f"vLLM's {library} not available: {why}")(test))
+    return mark
+
+
+needs_fa3, needs_cache_ops = _needs("fa3"), _needs("cache_ops")
 
 
 def _one():
@@ -45,6 +52,11 @@ def test_missing_folder_is_named(monkeypatch, tmp_path):
 def test_without_a_gpu_every_function_says_why():
     ok, why = vllm.available()
     assert not ok and "GPU" in why
+    for library in vllm.LIBRARIES:
+        ok, why = vllm.available(library)
+        assert not ok and "GPU" in why
+    with pytest.raises(ValueError, match="library"):
+        vllm.available("flashinfer")
     t = torch.zeros(1)
     calls = {
         "reshape_and_cache": (t,) * 5 + ("auto", t, t),
@@ -70,7 +82,7 @@ def _tokens(n, heads, head_size, num_slots, dtype, seed):
     return key, value, slots.to("cuda")
 
 
-@needs_vllm
+@needs_cache_ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -90,7 +102,7 @@ def test_reshape_and_cache_flash_equals_ours(dtype, layout, block_size):
         assert all(torch.equal(a, b) for a, b in zip(results[name], results["reference"])), name
 
 
-@needs_vllm
+@needs_cache_ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reshape_and_cache_v0_equals_ours(dtype):
     num_blocks, block_size, heads, head_size = 7, 16, 4, 128
@@ -106,7 +118,7 @@ def test_reshape_and_cache_v0_equals_ours(dtype):
         assert all(torch.equal(a, b) for a, b in zip(results[name], results["reference"])), name
 
 
-@needs_vllm
+@needs_cache_ops
 def test_swap_blocks_both_ways():
     gpu = torch.randn(10, 16, 4, 64, device="cuda")
     host = torch.zeros(6, 16, 4, 64, pin_memory=True)
@@ -126,7 +138,7 @@ def test_swap_blocks_both_ways():
 # FA3 decode: against the oracle, Triton and our CUDA v2
 # --------------------------------------------------------------------------------------------
 
-@needs_vllm
+@needs_fa3
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (32, 8), (32, 4)])   # GQA 1, 4, 8
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -151,7 +163,7 @@ def test_fa3_decode_matches_everything_else(dtype, num_heads, num_kv_heads, bloc
     torch.testing.assert_close(fa3, v2, **tol)
 
 
-@needs_vllm
+@needs_fa3
 def test_fa3_decode_bad_input_leaves_out_untouched():
     p = make_decode_problem([5, 40], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                             dtype=torch.bfloat16, device="cuda", alibi=True, seed=0)
@@ -184,3 +196,21 @@ def test_unpack_restores_the_packed_files(tmp_path):
     assert (dest / vllm.FA3_LIBRARY).read_bytes() == payload
     empty = subprocess.run([sys.executable, str(tool), "unpack", str(dest), str(dest)], capture_output=True, text=True)
     assert empty.returncode != 0 and "no *.xz" in empty.stderr
+
+
+@needs_fa3
+def test_fa3_alone_is_usable(monkeypatch, tmp_path):
+    # A folder with FA3's library only (the cache ops travel apart): FA3 runs, the cache ops are
+    # skipped with their reason, and `check` reports exactly that.
+    from paged_attention import check
+
+    real, _ = vllm.find_library(vllm.FA3_LIBRARY)
+    (tmp_path / vllm.FA3_LIBRARY).symlink_to(real)
+    monkeypatch.setenv(vllm.ENV_VAR, str(tmp_path))
+    assert vllm.available("fa3")[0]
+    ok, why = vllm.available("cache_ops")
+    assert not ok and vllm.CACHE_LIBRARY in why
+    assert vllm.available() == (False, f"cache ops: {why.split(': ', 1)[1]}")
+    results = check.run_checks()
+    assert results["paged_attention_decode", "vllm"][0] == "ok"
+    assert results["reshape_and_cache_flash", "vllm"][0] == "skipped"

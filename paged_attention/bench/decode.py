@@ -163,7 +163,7 @@ def _v0_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], object
 def _fa3_runner(p: DecodeProblem, context: int, out: torch.Tensor | None = None) -> Callable[[], object] | None:
     """vLLM's FA3 decode on ``p`` (flash layout), or None where vLLM's kernels are not found."""
     from paged_attention.kernels import vllm
-    if not vllm.available()[0]:
+    if not vllm.available("fa3")[0]:       # the decode needs FA3's library only
         return None
     out = torch.empty_like(p.query) if out is None else out
     return lambda: vllm.paged_attention_decode(out, *p.decode_args(), max_seq_len=context, check_ids=False)

@@ -110,10 +110,19 @@ def _cache_ops() -> Any:
     return torch.ops._C_cache_ops
 
 
-def available() -> tuple[bool, str]:
-    """``(True, where both libraries came from)`` or ``(False, why not)``; loads them."""
+LIBRARIES = {"fa3": ("FA3", _fa3, FA3_LIBRARY), "cache_ops": ("cache ops", _cache_ops, CACHE_LIBRARY)}
+
+
+def available(library: str | None = None) -> tuple[bool, str]:
+    """``(True, where it came from)`` or ``(False, why not)``, for one library (``"fa3"``: the decode
+    kernel; ``"cache_ops"``: the cache writes and ``swap_blocks``) or, by default, for both. Each
+    is loaded and reported on its own: with FA3's library alone (the cache ops are 60 MB and
+    travel apart), ``available("fa3")`` is True and only the cache ops are skipped."""
+    if library is not None and library not in LIBRARIES:
+        raise ValueError(f"library must be one of {', '.join(LIBRARIES)} or None, got {library!r}")
     found = []
-    for label, loader, name in (("FA3", _fa3, FA3_LIBRARY), ("cache ops", _cache_ops, CACHE_LIBRARY)):
+    for key in ([library] if library is not None else list(LIBRARIES)):
+        label, loader, name = LIBRARIES[key]
         try:
             loader()
         except VllmUnavailableError as e:
