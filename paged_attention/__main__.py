@@ -1,13 +1,15 @@
 """Command line: ``python -m paged_attention check`` verifies every kernel on this machine;
 ``python -m paged_attention generate "PROMPT" [--max-tokens N]`` prints the packaged model's chat
-answer (the first thing to run on a lab machine: it loads the model, the engine and the kernels)."""
+answer (the first thing to run on a lab machine: it loads the model, the engine and the kernels);
+``python -m paged_attention lab build OUT_DIR`` and ``lab grade SUBMISSION...`` (see ``paged_attention.lab``)."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 
-USAGE = 'usage: python -m paged_attention check | generate "PROMPT" [--max-tokens N] [--temperature T]'
+USAGE = ('usage: python -m paged_attention check | generate "PROMPT" [--max-tokens N] [--temperature T]\n'
+         '       python -m paged_attention lab build OUT_DIR | lab grade SUBMISSION... [--csv FILE]')
 
 
 def generate(argv: list[str]) -> int:
@@ -48,6 +50,14 @@ def main(argv: list[str]) -> int:
         return check_main()
     if argv and argv[0] == "generate":
         return generate(argv[1:])
+    if argv[:2] == ["lab", "grade"]:
+        from paged_attention.lab.grade import main as grade_main
+        return grade_main(argv[2:])
+    if argv[:2] == ["lab", "build"] and len(argv) == 3:
+        from paged_attention.lab.edition import build
+        written = build(argv[2])
+        print(f"student edition: {len(written)} notebooks in {argv[2]}")
+        return 0
     print(USAGE, file=sys.stderr)
     return 2
 

@@ -1,0 +1,264 @@
+"""The implement-it labs: one function a student writes per lab, and the checks that grade it.
+
+Each ``Lab`` names the function, shows its signature and a stub, and carries checks built on the
+library's own implementation of the same thing (the reference the notebooks already verify). A
+check runs the student's function on one case and, when the answer is wrong, fails with a message
+that names the likely misconception. Public checks are the ones a student runs in the notebook;
+the hidden ones (random and edge cases) are run by the teacher's ``lab grade``.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+
+class LabCheckFailed(AssertionError):
+    """A check's verdict: the answer was wrong; the message says what and which idea is missing."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[Callable[..., Any]], None]     # raises LabCheckFailed (or anything) on a wrong answer
+    public: bool = True
+
+
+@dataclass(frozen=True)
+class Lab:
+    lab_id: str
+    notebook: str        # the notebook the lab belongs to (file name without .ipynb)
+    function: str        # the name the student's code must define
+    signature: str       # the stub's first line
+    task: str            # what to implement, in a few lines of markdown
+    checks: tuple[Check, ...]
+
+    @property
+    def stub(self) -> str:
+        return f"{self.signature}\n    # Your code here.\n    raise NotImplementedError\n"
+
+
+def _call(fn: Callable[..., Any], args: tuple, what: str, hint: str) -> Any:
+    """``fn(*args)``; an exception (other than the stub's NotImplementedError) becomes a verdict
+    with the case and the hint, as a wrong answer does."""
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise LabCheckFailed(f"{what}: raised {type(e).__name__}: {e}. {hint}") from e
+
+
+def _expect(got: Any, want: Any, what: str, hint: str) -> None:
+    if got != want:
+        raise LabCheckFailed(f"{what}: expected {want!r}, got {got!r}. {hint}")
+
+
+# ---- 00: the slot mapping from a block table ---------------------------------------------------
+
+def _ref_slot_mapping(block_table, seq_lens, block_size):
+    from paged_attention.utils import slot_mapping
+    return slot_mapping(block_table, seq_lens, block_size)
+
+
+def _slot_case(table, lens, block_size, hint):
+    def run(fn):
+        what = f"block_table={table}, seq_lens={lens}, block_size={block_size}"
+        got = _call(fn, ([list(r) for r in table], list(lens), block_size), what, hint)
+        _expect(list(got) if got is not None else None, _ref_slot_mapping(table, lens, block_size), what, hint)
+    return run
+
+
+def _random_tables(seed, n=20):
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        block_size = rng.choice([1, 2, 4, 8, 16])
+        lens = [rng.randint(0, 40) for _ in range(rng.randint(1, 4))]
+        ids = rng.sample(range(200), sum(math.ceil(n / block_size) for n in lens))
+        table, k = [], 0
+        for n in lens:
+            m = math.ceil(n / block_size)
+            table.append(ids[k:k + m]); k += m
+        cases.append((table, lens, block_size))
+    return cases
+
+
+def _slot_random(fn):
+    for table, lens, bs in _random_tables(0):
+        _slot_case(table, lens, bs, "slot = block_table[s][t // block_size] * block_size + t % block_size, "
+                                    "for every token t of every sequence s, in order")(fn)
+
+
+SLOT_MAPPING = Lab(
+    "00-slot-mapping", "00_overview", "slot_mapping",
+    "def slot_mapping(block_table, seq_lens, block_size):",
+    "Return the slot of every token of every sequence, sequence by sequence (a flat list of ints): "
+    "token `t` of sequence `s` goes to `block_table[s][t // block_size] * block_size + t % block_size`.",
+    (Check("the example of section 3", _slot_case([[7, 2, 9], [4, 0], [5, 11, 3, 8]], [10, 6, 13], 4,
+                                                  "check the formula of section 3 token by token")),
+     Check("a token at the start of a later block", _slot_case([[3, 1]], [5], 4,
+                                                             "the offset inside a block is t % block_size: "
+                                                             "token 4 is the first of the second block")),
+     Check("tables of random physical ids", _slot_random, public=False),
+     Check("a sequence with no tokens yet", _slot_case([[], [6]], [0, 2], 4,
+                                                     "a sequence of length 0 has no slots"), public=False)),
+)
+
+
+# ---- 02: can_allocate with the watermark ------------------------------------------------------
+
+def _ref_can_allocate(num_required_blocks, num_free_blocks, num_total_blocks, watermark_blocks):
+    """The answer of the library's block manager for a prompt of that many blocks, in that pool."""
+    from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
+    from paged_attention.legacy.sequence import Sequence, SequenceGroup
+
+    block_size = 1
+    # A watermark fraction whose int(fraction * total) is exactly watermark_blocks.
+    mgr = SelfAttnBlockSpaceManager(block_size, num_total_blocks, 0,
+                                    watermark=(watermark_blocks + 0.5) / num_total_blocks)
+    used = num_total_blocks - num_free_blocks
+    if used:
+        mgr.allocate(SequenceGroup("used", [Sequence(0, list(range(1, used + 1)), block_size)]))
+    group = SequenceGroup("new", [Sequence(1, list(range(1, num_required_blocks + 1)), block_size)])
+    return mgr.can_allocate(group).name
+
+
+def _admission_case(need, free, total, wm, hint):
+    def run(fn):
+        what = f"need {need} blocks, {free} of {total} free, watermark {wm}"
+        got = _call(fn, (need, free, total, wm), what, hint)
+        _expect(getattr(got, "name", got), _ref_can_allocate(need, free, total, wm), what, hint)
+    return run
+
+
+def _admission_random(fn):
+    rng = random.Random(2)
+    for _ in range(60):
+        total = rng.randint(4, 64)
+        wm = rng.randint(0, total // 4)
+        free = rng.randint(0, total)
+        need = rng.randint(1, total + 4)
+        _admission_case(need, free, total, wm, "OK if free - need >= watermark; NEVER if even an empty "
+                                               "pool could not (total - need < watermark); LATER otherwise")(fn)
+
+
+CAN_ALLOCATE = Lab(
+    "02-can-allocate", "02_block_manager", "can_allocate",
+    "def can_allocate(num_required_blocks, num_free_blocks, num_total_blocks, watermark_blocks):",
+    "Return `\"OK\"`, `\"LATER\"` or `\"NEVER\"`, as the block manager's `can_allocate` does for a prompt "
+    "that needs `num_required_blocks` blocks (section 1's rule, watermark included).",
+    (Check("it fits, with room above the watermark", _admission_case(4, 10, 20, 2, "10 - 4 >= 2: admit now")),
+     Check("only the watermark holds it back", _admission_case(9, 10, 20, 2,
+                                                             "10 - 9 = 1 < 2 blocks of watermark: LATER, not OK "
+                                                             "(the watermark keeps room for running requests)")),
+     Check("too large for an empty pool", _admission_case(20, 20, 20, 2,
+                                                        "20 - 20 < 2 even with every block free: NEVER, "
+                                                        "compare against the total, not the free blocks")),
+     Check("random pools", _admission_random, public=False),
+     Check("exactly on the watermark", _admission_case(8, 10, 20, 2, "10 - 8 = 2 >= 2: OK (the bound is "
+                                                                      "inclusive)"), public=False)),
+)
+
+
+# ---- 03: the numpy slot mapping --------------------------------------------------------------
+
+def _ref_compute_slot_mapping(block_table, req_indices, positions, block_size):
+    from paged_attention.v1 import BlockTable
+
+    rows, cols = block_table.shape
+    bt = BlockTable(block_size, rows, cols, max(len(positions), 1), False, "cpu", block_size)
+    for row in range(rows):
+        bt.add_row(list(block_table[row]), row)
+    bt.compute_slot_mapping(np.asarray(req_indices), np.asarray(positions))
+    return bt.slot_mapping.np[:len(positions)].tolist()
+
+
+def _numpy_case(table, req_indices, positions, block_size, hint):
+    def run(fn):
+        t, r, p = np.array(table, dtype=np.int32), np.array(req_indices), np.array(positions)
+        what = f"rows {table}, req_indices {req_indices}, positions {positions}, block_size {block_size}"
+        got = _call(fn, (t, r, p, block_size), what, hint)
+        got = np.asarray(got).tolist() if got is not None else None
+        _expect(got, _ref_compute_slot_mapping(t, r, p, block_size), what, hint)
+    return run
+
+
+def _numpy_random(fn):
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        rows, cols, bs = int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.choice([2, 4, 16]))
+        table = rng.permutation(100)[:rows * cols].reshape(rows, cols).tolist()
+        n = int(rng.integers(1, 12))
+        req = rng.integers(0, rows, n).tolist()
+        pos = rng.integers(0, cols * bs, n).tolist()
+        _numpy_case(table, req, pos, bs, "row req_indices[t], column positions[t] // block_size, then "
+                                         "* block_size + positions[t] % block_size")(fn)
+
+
+COMPUTE_SLOT_MAPPING = Lab(
+    "03-compute-slot-mapping", "03_v1_block_table", "compute_slot_mapping",
+    "def compute_slot_mapping(block_table, req_indices, positions, block_size):",
+    "With numpy and no Python loop over tokens: token `t` belongs to row `req_indices[t]` of the 2-D "
+    "array `block_table` and sits at `positions[t]`. Return the array of its slots.",
+    (Check("a mixed batch", _numpy_case([[12, 3, 40], [7, 8, 9]], [0, 0, 1], [37, 38, 5], 16,
+                                        "the column is positions // block_size, the row is req_indices")),
+     Check("requests out of row order", _numpy_case([[1, 2], [3, 4]], [1, 0, 1], [0, 3, 5], 4,
+                                                   "index the rows with req_indices, not with the token's "
+                                                   "place in the batch")),
+     Check("random tables", _numpy_random, public=False)),
+)
+
+
+# ---- 06: merging partitions (the online softmax) -------------------------------------------------
+
+def _ref_merge(max_logits, exp_sums, outputs):
+    from paged_attention.kernels.layout import v2_merge_weights
+    w = v2_merge_weights(max_logits, exp_sums)
+    total = sum(w)
+    return [sum(wi * o[d] for wi, o in zip(w, outputs)) / total for d in range(len(outputs[0]))]
+
+
+def _merge_case(m, s, o, hint):
+    def run(fn):
+        got = _call(fn, (list(m), list(s), [list(x) for x in o]), f"max_logits {m}, exp_sums {s}", hint)
+        want = _ref_merge(m, s, o)
+        ok = got is not None and len(list(got)) == len(want) and all(
+            math.isclose(float(a), b, rel_tol=1e-6, abs_tol=1e-9) for a, b in zip(got, want))
+        if not ok:
+            raise LabCheckFailed(f"max_logits {m}, exp_sums {s}: expected {[round(x, 6) for x in want]}, "
+                                 f"got {got!r}. {hint}")
+    return run
+
+
+def _merge_random(fn):
+    rng = random.Random(6)
+    for _ in range(30):
+        p = rng.randint(1, 5)
+        m = [rng.uniform(-20, 20) for _ in range(p)]
+        s = [rng.uniform(0.5, 50) for _ in range(p)]
+        o = [[rng.uniform(-1, 1) for _ in range(3)] for _ in range(p)]
+        _merge_case(m, s, o, "w_p = s_p * exp(m_p - M) with M = max m_p; out = sum w_p o_p / sum w_p")(fn)
+
+
+MERGE_PARTITIONS = Lab(
+    "06-merge-partitions", "06_paged_attention_kernels", "merge_partitions",
+    "def merge_partitions(max_logits, exp_sums, outputs):",
+    "Partition `p` reports its maximum score `max_logits[p]`, its sum `exp_sums[p]` of "
+    "`exp(score - max_logits[p])` and its locally normalised output `outputs[p]` (a list). Return the "
+    "attention output over all partitions, as v2's reduction kernel computes it (without the 1e-6).",
+    (Check("partitions with different maxima", _merge_case([3.0, 5.0, 4.0], [20.0, 8.0, 12.0],
+                                                          [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]],
+                                                          "rescale each exp-sum to the largest maximum before "
+                                                          "weighting: s_p * exp(m_p - M)")),
+     Check("one partition", _merge_case([1.5], [7.0], [[0.25, -2.0]], "a single partition's output is final")),
+     Check("random partitions", _merge_random, public=False),
+     Check("large scores", _merge_case([800.0, 790.0], [3.0, 4.0], [[1.0], [2.0]],
+                                       "exp(800) overflows: subtract the maximum first"), public=False)),
+)
+
+LABS: dict[str, Lab] = {lab.lab_id: lab for lab in (SLOT_MAPPING, CAN_ALLOCATE, COMPUTE_SLOT_MAPPING,
+                                                     MERGE_PARTITIONS)}
