@@ -14,6 +14,27 @@ from paged_attention.lab.grade import grade, grade_one
 HERE = Path(__file__).parent
 SOLUTIONS = HERE / "lab_submissions" / "solutions.py"
 
+TRITON_HEAD = """import torch, triton
+import triton.language as tl
+
+
+@triton.jit
+def k(table_ptr, req_ptr, pos_ptr, out_ptr, n, stride, B: tl.constexpr, TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    mask = offs < n
+    req = tl.load(req_ptr + offs, mask=mask, other=0)
+    pos = tl.load(pos_ptr + offs, mask=mask, other=0)
+    block = tl.load(table_ptr + req * stride + pos // B, mask=mask, other=0)
+"""
+TRITON_LAUNCH = """
+
+def triton_slot_mapping(block_table, req_indices, positions, block_size):
+    out = torch.empty(positions.shape[0], dtype=torch.int64)
+    k[(triton.cdiv(positions.shape[0], 128),)](block_table, req_indices, positions, out, positions.shape[0],
+                                               block_table.stride(0), B=block_size, TILE=128)
+    return out
+"""
+
 # (lab, a plausible wrong implementation, words the first failure's message must contain)
 WRONG = [
     ("00-slot-mapping", "def slot_mapping(block_table, seq_lens, block_size):\n"
@@ -34,6 +55,15 @@ WRONG = [
     ("03-compute-slot-mapping", "import numpy as np\n"
      "def compute_slot_mapping(bt, req, pos, bs):\n"
      "    return bt[np.arange(len(pos)), pos // bs] * bs + pos % bs", "req_indices"),          # batch order
+    ("04-triton-slot-mapping", TRITON_HEAD + "    tl.store(out_ptr + offs, block.to(tl.int64) * B + pos % B + 1, mask=mask)\n"
+     + TRITON_LAUNCH, "slot = table"),                                                         # off by one
+    ("04-triton-slot-mapping", TRITON_HEAD + "    tl.store(out_ptr + offs, block.to(tl.int64) * B + pos % B, mask=mask)\n"
+     + TRITON_LAUNCH.replace("triton.cdiv(positions.shape[0], 128)", "1"), "enough programs"),   # one tile only
+    ("05-kv-cache-strides", "def kv_cache_strides(layout, nb, bs, h, d):\n"
+     "    return (nb * bs * h * d, bs * h * d, h * d, d, 1)", "HND"),                          # layout ignored
+    ("05-kv-cache-strides", "def kv_cache_strides(layout, nb, bs, h, d):\n"
+     "    t, hd = (h * d, d) if layout == 'NHD' else (d, bs * d)\n"
+     "    return (bs * h * d, 2 * bs * h * d, t, hd, 1)", "K/V dimension is outermost"),        # K, V per block
     ("06-merge-partitions", "def merge_partitions(m, s, o):\n"
      "    return [sum(si * x[d] for si, x in zip(s, o)) / sum(s) for d in range(len(o[0]))]",
      "rescale"),                                                                               # no rescale

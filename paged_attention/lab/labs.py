@@ -213,6 +213,102 @@ COMPUTE_SLOT_MAPPING = Lab(
 )
 
 
+# ---- 04: a Triton slot-mapping kernel --------------------------------------------------------
+
+def _triton_case(table, req_indices, positions, block_size, hint):
+    def run(fn):
+        import torch
+
+        from paged_attention import runtime
+        t = torch.tensor(table, dtype=torch.int32, device=runtime.DEVICE)
+        r = torch.tensor(req_indices, dtype=torch.int64, device=runtime.DEVICE)
+        p = torch.tensor(positions, dtype=torch.int64, device=runtime.DEVICE)
+        what = f"{len(positions)} tokens, block_size {block_size}"
+        got = _call(fn, (t, r, p, block_size), what, hint)
+        got = got.cpu().tolist() if hasattr(got, "cpu") else got
+        want = _ref_compute_slot_mapping(np.array(table, dtype=np.int32), np.array(req_indices),
+                                         np.array(positions), block_size)
+        if got != want:
+            bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None) if isinstance(got, list) \
+                else None
+            where = f" (first difference at token {bad}: {got[bad]} instead of {want[bad]})" if bad is not None else ""
+            raise LabCheckFailed(f"{what}: wrong slots{where}. {hint}")
+    return run
+
+
+def _long_batch(seed, n):
+    rng = np.random.default_rng(seed)
+    rows, cols, bs = 3, 40, 8
+    table = rng.permutation(1000)[:rows * cols].reshape(rows, cols).tolist()
+    req = rng.integers(0, rows, n).tolist()
+    pos = rng.integers(0, cols * bs, n).tolist()
+    return table, req, pos, bs
+
+
+TRITON_SLOT_MAPPING = Lab(
+    "04-triton-slot-mapping", "04_v2_triton_block_tables", "triton_slot_mapping",
+    "def triton_slot_mapping(block_table, req_indices, positions, block_size):",
+    "Lab 03's slot mapping as a Triton kernel: write a `@triton.jit` kernel that handles a tile of tokens per "
+    "program, and this function, which launches it and returns an int64 tensor of slots. `block_table` "
+    "is an int32 tensor `[rows, cols]`, `req_indices` and `positions` are int64 tensors of one entry per "
+    "token. On a CPU the kernel runs in Triton's interpreter, which has no bounds checks: mask every load "
+    "and store.",
+    (Check("a mixed batch", _triton_case([[12, 3, 40], [7, 8, 9]], [0, 0, 1], [37, 38, 5], 16,
+                                         "slot = table[req, pos // block_size] * block_size + pos % block_size; "
+                                         "the row stride of the table is its number of columns")),
+     Check("more tokens than one tile", _triton_case(*_long_batch(4, 300),
+                                                     "use enough programs for every token (a grid of "
+                                                     "cdiv(num_tokens, TILE)) and mask the last tile")),
+     Check("a long random batch", _triton_case(*_long_batch(7, 1000), "mask the tail and compute in int64"),
+           public=False)),
+)
+
+
+# ---- 05: a backend's KV-cache strides ---------------------------------------------------------
+
+def _ref_strides(layout, num_blocks, block_size, num_kv_heads, head_size):
+    """Element strides of FlashAttention's logical KV-cache shape when memory follows ``layout``."""
+    import torch
+
+    from paged_attention.kv_cache.backends import FlashAttentionBackend
+    shape = FlashAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    order = FlashAttentionBackend.get_kv_cache_stride_order(layout)
+    memory = torch.empty([shape[i] for i in order], device="meta")      # dimensions in memory order
+    inverse = [order.index(i) for i in range(len(order))]
+    return tuple(memory.permute(*inverse).stride())
+
+
+def _strides_case(layout, nb, bs, h, d, hint):
+    def run(fn):
+        what = f"layout {layout}, {nb} blocks of {bs} tokens, {h} KV heads of {d}"
+        got = _call(fn, (layout, nb, bs, h, d), what, hint)
+        _expect(tuple(got) if got is not None else None, _ref_strides(layout, nb, bs, h, d), what, hint)
+    return run
+
+
+def _strides_random(fn):
+    rng = random.Random(5)
+    for _ in range(20):
+        layout = rng.choice(["NHD", "HND"])
+        _strides_case(layout, rng.randint(1, 9), rng.choice([16, 32]), rng.randint(1, 8), rng.choice([64, 128]),
+                      "the K/V dimension is outermost: K of every block, then V of every block")(fn)
+
+
+KV_CACHE_STRIDES = Lab(
+    "05-kv-cache-strides", "05_kv_cache_allocation", "kv_cache_strides",
+    "def kv_cache_strides(layout, num_blocks, block_size, num_kv_heads, head_size):",
+    "FlashAttention's KV cache has the logical shape `(2, num_blocks, block_size, num_kv_heads, "
+    "head_size)`. Its memory order is that shape in NHD, and `(2, num_blocks, num_kv_heads, block_size, "
+    "head_size)` in HND. Return the strides, in elements, of the logical view (a tuple of 5 ints).",
+    (Check("NHD", _strides_case("NHD", 4, 16, 2, 64, "in NHD memory follows the logical shape: each stride "
+                                                      "is the product of the sizes to its right (the K/V "
+                                                      "dimension is outermost: K of every block, then V)")),
+     Check("HND", _strides_case("HND", 4, 16, 2, 64, "in HND a block stores head by head: the token stride is "
+                                                      "head_size and the head stride block_size * head_size")),
+     Check("random shapes", _strides_random, public=False)),
+)
+
+
 # ---- 06: merging partitions (the online softmax) -------------------------------------------------
 
 def _ref_merge(max_logits, exp_sums, outputs):
@@ -261,4 +357,4 @@ MERGE_PARTITIONS = Lab(
 )
 
 LABS: dict[str, Lab] = {lab.lab_id: lab for lab in (SLOT_MAPPING, CAN_ALLOCATE, COMPUTE_SLOT_MAPPING,
-                                                     MERGE_PARTITIONS)}
+                                                     TRITON_SLOT_MAPPING, KV_CACHE_STRIDES, MERGE_PARTITIONS)}

@@ -25,3 +25,34 @@ def merge_partitions(max_logits, exp_sums, outputs):
     top = max(max_logits)
     w = [s * math.exp(m - top) for m, s in zip(max_logits, exp_sums)]
     return [sum(wi * o[d] for wi, o in zip(w, outputs)) / sum(w) for d in range(len(outputs[0]))]
+
+
+def kv_cache_strides(layout, num_blocks, block_size, num_kv_heads, head_size):
+    token, head = (num_kv_heads * head_size, head_size) if layout == "NHD" else (head_size, block_size * head_size)
+    block = block_size * num_kv_heads * head_size
+    return (num_blocks * block, block, token, head, 1)
+
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _slots_kernel(table_ptr, req_ptr, pos_ptr, out_ptr, num_tokens, table_stride, BLOCK_SIZE: tl.constexpr,
+                  TILE: tl.constexpr):
+    offs = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    mask = offs < num_tokens
+    req = tl.load(req_ptr + offs, mask=mask, other=0)
+    pos = tl.load(pos_ptr + offs, mask=mask, other=0)
+    block = tl.load(table_ptr + req * table_stride + pos // BLOCK_SIZE, mask=mask, other=0)
+    tl.store(out_ptr + offs, block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE, mask=mask)
+
+
+def triton_slot_mapping(block_table, req_indices, positions, block_size):
+    out = torch.empty(positions.shape[0], dtype=torch.int64, device=positions.device)
+    tile = 128
+    _slots_kernel[(triton.cdiv(positions.shape[0], tile),)](block_table, req_indices, positions, out,
+                                                            positions.shape[0], block_table.stride(0),
+                                                            BLOCK_SIZE=block_size, TILE=tile)
+    return out
