@@ -43,6 +43,27 @@ WRONG = [
     ("00-slot-mapping", "def slot_mapping(block_table, seq_lens, block_size):\n"
      "    return [(t // block_size) * block_size + t % block_size\n"
      "            for s, n in enumerate(seq_lens) for t in range(n)]", "formula"),            # table ignored
+    ("01-copy-on-write", "def append_token(table, n, bs, rc, free):\n"
+     "    table = list(table)\n"
+     "    if n % bs == 0:\n"
+     "        b = free.pop(0); rc[b] = 1; return table + [b], None\n"
+     "    return table, None", "shared"),                                                      # no copy on write
+    ("01-copy-on-write", "def append_token(table, n, bs, rc, free):\n"
+     "    table = list(table)\n"
+     "    if n % bs and rc[table[-1]] == 1:\n"
+     "        return table, None\n"
+     "    b = free.pop(0); rc[b] = 1\n"
+     "    if n % bs == 0:\n"
+     "        return table + [b], None\n"
+     "    old = table[-1]; table[-1] = b\n"
+     "    return table, (old, b)", "one reference moves"),                                   # count not dropped
+    ("01-free", "def free_table(table, rc, free):\n"
+     "    for b in table:\n"
+     "        rc[b] = 0; free.insert(0, b)", "still holds"),                                   # ignores the count
+    ("01-free", "def free_table(table, rc, free):\n"
+     "    for b in table:\n"
+     "        rc[b] -= 1\n"
+     "        if rc[b] == 0: free.append(b)", "front of the free list"),                       # to the back
     ("02-can-allocate", "def can_allocate(need, free, total, wm):\n"
      "    return 'NEVER' if need > total else 'OK' if need <= free else 'LATER'",
      "watermark"),                                                                             # watermark ignored
@@ -133,6 +154,7 @@ def test_student_edition_then_grade_as_a_teacher_would(tmp_path):
     scores = {(Path(r.submission).stem, r.lab): r.score for r in rows}
     assert scores[("00_overview", "00-slot-mapping")] == 1.0
     assert all(score == 0.0 for key, score in scores.items() if key != ("00_overview", "00-slot-mapping"))
+    assert len(scores) == 2 * len(LABS)
 
 
 @pytest.mark.parametrize("source, reason", [

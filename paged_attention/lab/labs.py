@@ -109,6 +109,114 @@ SLOT_MAPPING = Lab(
 )
 
 
+# ---- 01: copy on write and freeing in the naive allocator ---------------------------------------
+# A scenario is built with the library (tables, forks); the student's function gets its state as
+# plain lists and must leave them as the library's allocator does after the same operation.
+
+def _naive_scenario(prompt_lens, forks, block_size=4, num_blocks=12):
+    """Tables allocated with the library's naive allocator: one per prompt, then ``forks`` (child
+    of table i) forked. Returns (allocator, tables)."""
+    from paged_attention.legacy.block_table import BlockTable
+    from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
+
+    allocator = CpuGpuBlockAllocator.create("naive", num_gpu_blocks=num_blocks, num_cpu_blocks=0,
+                                            block_size=block_size)
+    tables = []
+    for n in prompt_lens:
+        t = BlockTable(block_size, allocator)
+        t.allocate(list(range(1, n + 1)))
+        tables.append(t)
+    for parent in forks:
+        tables.append(tables[parent].fork())
+    return allocator, tables
+
+
+def _pool_state(allocator):
+    from paged_attention.legacy.cpu_gpu_block_allocator import allocation_order, refcounts
+    return list(refcounts(allocator)), list(allocation_order(allocator))
+
+
+def _append_case(prompt_lens, forks, which, hint):
+    def run(fn):
+        allocator, tables = _naive_scenario(prompt_lens, forks)
+        table = tables[which]
+        ref_counts, free_ids = _pool_state(allocator)
+        args = (list(table.physical_block_ids), table.num_full_slots, table._block_size, ref_counts, free_ids)
+        what = f"table {args[0]} holding {args[1]} tokens, reference counts {args[3]}, free list {args[4]}"
+        got = _call(fn, args, what, hint)
+        table.append_token_ids([99])
+        cows = allocator.clear_copy_on_writes()
+        want_counts, want_free = _pool_state(allocator)
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise LabCheckFailed(f"{what}: return (new_table, cow), got {got!r}")
+        new_table, cow = got
+        _expect((list(new_table), tuple(cow) if cow is not None else None),
+                (table.physical_block_ids, tuple(cows[0]) if cows else None),
+                what + ": (new table, copy-on-write pair)", hint)
+        _expect((ref_counts, free_ids), (want_counts, want_free), what + ": (reference counts, free list) after",
+                hint)
+    return run
+
+
+def _append_random(fn):
+    rng = random.Random(1)
+    for _ in range(15):
+        lens = [rng.randint(1, 9) for _ in range(rng.randint(1, 2))]
+        forks = [rng.randrange(len(lens)) for _ in range(rng.randint(0, 2))]
+        _append_case(lens, forks, rng.randrange(len(lens) + len(forks)),
+                     "a full last block (or none): take the free list's first id; a partly filled "
+                     "shared block: copy it first; a partly filled block of one's own: write in place")(fn)
+
+
+COPY_ON_WRITE = Lab(
+    "01-copy-on-write", "01_legacy_block_table", "append_token",
+    "def append_token(table, num_tokens, block_size, refcounts, free_ids):",
+    "A sequence's `table` (physical ids) holds `num_tokens` tokens; it appends one more, as the naive "
+    "allocator does. `refcounts[b]` is block `b`'s reference count, `free_ids` the free list (the next "
+    "id handed out first). Return `(new_table, cow)`, `cow` the `(src, dst)` pair of a copy on write or "
+    "`None`, and update `refcounts` and `free_ids` in place.",
+    (Check("a shared, partly filled last block", _append_case([10], [0], 1,
+                                                               "the last block is shared (count > 1) and not full: "
+                                                               "copy it to a new block, one reference moves there")),
+     Check("a last block of one's own", _append_case([10], [], 0, "a block held once is written in place: "
+                                                                 "nothing to copy, nothing allocated")),
+     Check("a full last block", _append_case([8], [0], 0, "the token starts a new block: take the first free "
+                                                          "id, even if the full block is shared")),
+     Check("random forks", _append_random, public=False)),
+)
+
+
+def _free_case(prompt_lens, forks, which, hint):
+    def run(fn):
+        allocator, tables = _naive_scenario(prompt_lens, forks)
+        table = tables[which]
+        ref_counts, free_ids = _pool_state(allocator)
+        what = f"table {table.physical_block_ids}, reference counts {ref_counts}, free list {free_ids}"
+        _call(fn, (list(table.physical_block_ids), ref_counts, free_ids), what, hint)
+        table.free()
+        _expect((ref_counts, free_ids), _pool_state(allocator), what + ": (reference counts, free list) after",
+                hint)
+    return run
+
+
+FREE = Lab(
+    "01-free", "01_legacy_block_table", "free_table",
+    "def free_table(table, refcounts, free_ids):",
+    "Free a sequence's `table`, as the naive allocator does: every block loses one reference, and a "
+    "block left with none goes back to the **front** of the free list `free_ids`. Update `refcounts` "
+    "and `free_ids` in place.",
+    (Check("a table nobody shares", _free_case([10], [], 0, "each block of the table, in order, goes to the "
+                                                             "front of the free list: the last one freed is "
+                                                             "handed out first")),
+     Check("a table shared with a fork", _free_case([10], [0], 0, "a block another table still holds keeps "
+                                                                  "count 1 and stays out of the free list")),
+     Check("random forks", lambda fn: [_free_case(lens, forks, w, "drop one reference per block; free the "
+                                                  "blocks that reach 0, to the front of the list")(fn)
+                                       for lens, forks, w in (([5, 9], [1], 2), ([12], [0, 0], 1),
+                                                              ([3, 4, 7], [2], 0))], public=False)),
+)
+
+
 # ---- 02: can_allocate with the watermark ------------------------------------------------------
 
 def _ref_can_allocate(num_required_blocks, num_free_blocks, num_total_blocks, watermark_blocks):
@@ -356,5 +464,6 @@ MERGE_PARTITIONS = Lab(
                                        "exp(800) overflows: subtract the maximum first"), public=False)),
 )
 
-LABS: dict[str, Lab] = {lab.lab_id: lab for lab in (SLOT_MAPPING, CAN_ALLOCATE, COMPUTE_SLOT_MAPPING,
-                                                     TRITON_SLOT_MAPPING, KV_CACHE_STRIDES, MERGE_PARTITIONS)}
+LABS: dict[str, Lab] = {lab.lab_id: lab for lab in (SLOT_MAPPING, COPY_ON_WRITE, FREE, CAN_ALLOCATE,
+                                                     COMPUTE_SLOT_MAPPING, TRITON_SLOT_MAPPING, KV_CACHE_STRIDES,
+                                                     MERGE_PARTITIONS)}

@@ -56,3 +56,26 @@ def triton_slot_mapping(block_table, req_indices, positions, block_size):
                                                             positions.shape[0], block_table.stride(0),
                                                             BLOCK_SIZE=block_size, TILE=tile)
     return out
+
+
+def append_token(table, num_tokens, block_size, refcounts, free_ids):
+    table = list(table)
+    if num_tokens % block_size == 0:                     # no room: a new block
+        new = free_ids.pop(0)
+        refcounts[new] = 1
+        return table + [new], None
+    last = table[-1]
+    if refcounts[last] == 1:                             # ours alone: write in place
+        return table, None
+    new = free_ids.pop(0)                                # shared: copy on write
+    refcounts[last] -= 1
+    refcounts[new] = 1
+    table[-1] = new
+    return table, (last, new)
+
+
+def free_table(table, refcounts, free_ids):
+    for block in table:
+        refcounts[block] -= 1
+        if refcounts[block] == 0:
+            free_ids.insert(0, block)
