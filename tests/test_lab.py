@@ -85,6 +85,28 @@ WRONG = [
     ("05-kv-cache-strides", "def kv_cache_strides(layout, nb, bs, h, d):\n"
      "    t, hd = (h * d, d) if layout == 'NHD' else (d, bs * d)\n"
      "    return (bs * h * d, 2 * bs * h * d, t, hd, 1)", "K/V dimension is outermost"),        # K, V per block
+    ("07-decode-step", "import math\n"
+     "def decode_step(n, bs, free):\n"
+     "    q, d, p = list(range(len(n))), [], []\n"
+     "    while q:\n"
+     "        i = q.pop(0); need = 1 if (n[i] - 1) % bs == 0 else 0\n"
+     "        while need > free:\n"
+     "            v = q.pop() if q else i; p.append(v); free += math.ceil((n[v] - 1) / bs)\n"
+     "            if v == i: break\n"
+     "        else:\n"
+     "            free -= need; d.append(i)\n"
+     "    return d, p", "upper bound"),                                                       # exact count
+    ("07-decode-step", "import math\n"
+     "def decode_step(n, bs, free):\n"
+     "    q, d, p = list(range(len(n))), [], []\n"
+     "    while q:\n"
+     "        i = q.pop(0)\n"
+     "        while free < 1:\n"
+     "            v = q.pop(0) if q else i; p.append(v); free += math.ceil((n[v] - 1) / bs)\n"
+     "            if v == i: break\n"
+     "        else:\n"
+     "            free -= 1 if (n[i] - 1) % bs == 0 else 0; d.append(i)\n"
+     "    return d, p", "newest"),                                                             # preempts the oldest
     ("06-merge-partitions", "def merge_partitions(m, s, o):\n"
      "    return [sum(si * x[d] for si, x in zip(s, o)) / sum(s) for d in range(len(o[0]))]",
      "rescale"),                                                                               # no rescale

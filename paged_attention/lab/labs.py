@@ -464,6 +464,70 @@ MERGE_PARTITIONS = Lab(
                                        "exp(800) overflows: subtract the maximum first"), public=False)),
 )
 
+# ---- 07: one decode step's bookkeeping -------------------------------------------------------
+
+def _ref_decode_step(num_tokens, block_size, num_free_blocks):
+    """The library's FCFS scheduler over the legacy block manager: running requests of these lengths
+    (the newest token not yet in a slot), ``num_free_blocks`` free, preemption by recomputation.
+    Returns (the requests that decode, the requests preempted, in order)."""
+    from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
+    from paged_attention.legacy.records import RECOMPUTED
+    from paged_attention.legacy.scheduler import FcfsScheduler
+    from paged_attention.legacy.sequence import Sequence, SequenceGroup
+
+    held = [math.ceil((n - 1) / block_size) for n in num_tokens]
+    mgr = SelfAttnBlockSpaceManager(block_size, sum(held) + num_free_blocks, 0, watermark=0.0)
+    sched = FcfsScheduler(mgr, preemption_mode="recompute", max_num_seqs=len(num_tokens),
+                          max_num_batched_tokens=sum(num_tokens), record_block_owners=False)
+    for i, n in enumerate(num_tokens):      # a prompt of n - 1 tokens; the prefill samples token n
+        sched.add_seq_group(SequenceGroup(f"r{i}", [Sequence(i, list(range(1, n)), block_size)],
+                                          arrival_time=float(i)))
+    record = sched.schedule()
+    sched.update(record, {i: 7 for i in range(len(num_tokens))})
+    record = sched.schedule()                # the decode step
+    return ([int(g.request_id[1:]) for g in record.decodes],
+            [int(e.request_id[1:]) for e in record.events if e.kind == RECOMPUTED])
+
+
+def _step_case(num_tokens, block_size, free, hint):
+    def run(fn):
+        what = f"lengths {num_tokens}, block_size {block_size}, {free} free blocks"
+        got = _call(fn, (list(num_tokens), block_size, free), what, hint)
+        got = (list(got[0]), list(got[1])) if isinstance(got, tuple) and len(got) == 2 else got
+        _expect(got, _ref_decode_step(num_tokens, block_size, free), what + ": (decoded, preempted)", hint)
+    return run
+
+
+def _step_random(fn):
+    rng = random.Random(7)
+    for _ in range(20):
+        bs = rng.choice([2, 4])
+        lens = [rng.randint(2, 13) for _ in range(rng.randint(1, 6))]
+        _step_case(lens, bs, rng.randint(0, 3), "oldest first; each needs one free block as an upper bound, "
+                                                "takes one only if its new token starts a block; when short, "
+                                                "preempt the newest and get its blocks back")(fn)
+
+
+DECODE_STEP = Lab(
+    "07-decode-step", "07_end_to_end", "decode_step",
+    "def decode_step(num_tokens, block_size, num_free_blocks):",
+    "The running requests `0, 1, ...` (oldest first) have `num_tokens[i]` tokens each, the newest "
+    "not yet in a slot; the others fill `ceil((num_tokens[i] - 1) / block_size)` blocks. As the "
+    "engine's scheduler does at a decode step, return `(decoded, preempted)`: the requests that run, "
+    "and those preempted by recomputation, each in order.",
+    (Check("room for everyone", _step_case([5, 9, 6], 4, 3, "each request's new token needs the block it is "
+                                                           "written into")),
+     Check("short by one block", _step_case([5, 9, 13, 6], 4, 1, "when a request does not fit, preempt the "
+                                                                 "newest running request (the last one) and "
+                                                                 "give its blocks back to the pool")),
+     Check("a partly filled block still counts", _step_case([5, 9, 13, 6], 4, 3,
+                                                             "can_append_slots is an upper bound: a token written "
+                                                             "into a partly filled block still needs one free "
+                                                             "block to pass the check")),
+     Check("random steps", _step_random, public=False)),
+)
+
+
 LABS: dict[str, Lab] = {lab.lab_id: lab for lab in (SLOT_MAPPING, COPY_ON_WRITE, FREE, CAN_ALLOCATE,
                                                      COMPUTE_SLOT_MAPPING, TRITON_SLOT_MAPPING, KV_CACHE_STRIDES,
-                                                     MERGE_PARTITIONS)}
+                                                     MERGE_PARTITIONS, DECODE_STEP)}

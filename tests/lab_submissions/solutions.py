@@ -79,3 +79,20 @@ def free_table(table, refcounts, free_ids):
         refcounts[block] -= 1
         if refcounts[block] == 0:
             free_ids.insert(0, block)
+
+
+def decode_step(num_tokens, block_size, num_free_blocks):
+    free, queue, decoded, preempted = num_free_blocks, list(range(len(num_tokens))), [], []
+    while queue:
+        i = queue.pop(0)
+        while free < 1:                                  # the block its token goes into, an upper bound
+            victim = queue.pop() if queue else i         # the newest running request
+            preempted.append(victim)
+            free += math.ceil((num_tokens[victim] - 1) / block_size)
+            if victim == i:
+                break
+        else:
+            if (num_tokens[i] - 1) % block_size == 0:    # the new token starts a block
+                free -= 1
+            decoded.append(i)
+    return decoded, preempted
