@@ -147,20 +147,15 @@ def v1_step(num_reqs: int, tokens_per_req: int, context: int, appends_per_step: 
     max_blocks = cdiv(context + tokens_per_req + headroom, block_size)
     bt = BlockTable(block_size, num_reqs, max_blocks, max_num_batched_tokens, True, "cuda", block_size, 1)
     contexts = rng.integers(context // 2, context + 1, size=num_reqs)
-    first_ids = [rng.integers(1, 1 << 20, size=cdiv(int(contexts[row]) + tokens_per_req, block_size))
-                 for row in range(num_reqs)]
-    for row, ids in enumerate(first_ids):
-        bt.add_row(ids, row)
+    for row in range(num_reqs):
+        bt.add_row(rng.integers(1, 1 << 20, size=cdiv(int(contexts[row]) + tokens_per_req, block_size)), row)
     req_indices = np.repeat(np.arange(num_reqs), tokens_per_req)
     positions = (contexts[:, None] + np.arange(tokens_per_req)[None, :]).reshape(-1)
     num_tokens = num_reqs * tokens_per_req
 
     def step(i: int):
         for k in range(appends_per_step):
-            row = (i * appends_per_step + k) % num_reqs
-            if bt.num_blocks_per_row[row] == max_blocks:
-                bt.add_row(first_ids[row], row)     # a full row: its request ends, a new one starts there
-            bt.append_row([1000 + k], row)
+            bt.append_row([1000 + k], (i * appends_per_step + k) % num_reqs)
         bt.compute_slot_mapping(req_indices, positions)
         bt.commit_block_table(num_reqs)
         bt.commit_slot_mapping(num_tokens)

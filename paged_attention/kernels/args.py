@@ -331,6 +331,8 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
 def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                        k_scale, v_scale, num_slots: int, per_head_scale: bool, check_slots: bool = True) -> None:
     """What both cache writes check once their caches' shapes are known."""
+    if not isinstance(check_slots, bool):
+        raise TypeError(f"check_slots must be a bool, got {check_slots!r}")
     tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES)
     shape("value", value, tuple(key.shape))
@@ -358,8 +360,6 @@ def check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv
                             k_scale, v_scale, check_slots: bool = True) -> None:
     """``reshape_and_cache``: new tokens into v0-layout caches (``check_slots`` as for the flash
     layout's check below)."""
-    if not isinstance(check_slots, bool):
-        raise TypeError(f"check_slots must be a bool, got {check_slots!r}")
     tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("key_cache", key_cache, ndim=5)
     tensor("value_cache", value_cache, ndim=4)
@@ -396,8 +396,6 @@ def check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mappi
         raise ValueError(f"key_cache and value_cache must have the same block stride, got "
                          f"{key_cache.stride(0)} and {value_cache.stride(0)}")
     num_blocks, block_size = key_cache.shape[:2]
-    if not isinstance(check_slots, bool):
-        raise TypeError(f"check_slots must be a bool, got {check_slots!r}")
     _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                        k_scale, v_scale, num_blocks * block_size, per_head_scale=True, check_slots=check_slots)
 

@@ -30,6 +30,6 @@ def check(lab_id: str, fn: Callable[..., Any]) -> bool:
             print(f"not yet: {c.name}: the function is still the stub")
             ok = False
         except Exception as e:
-            print(f"not yet: {c.name}: {e if isinstance(e, AssertionError) else f'{type(e).__name__}: {e}'}")
+            print(f"not yet: {c.failure(e)}")
             ok = False
     return ok

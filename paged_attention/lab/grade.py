@@ -76,8 +76,7 @@ def grade_one(path: Path, lab_id: str) -> dict:
             passed += 1
         except BaseException as e:
             if not first:
-                first = f"{check.name}: {e}" if isinstance(e, AssertionError) else \
-                    f"{check.name}: {type(e).__name__}: {e}"
+                first = check.failure(e)
     return {"passed": passed, "total": total, "first_failure": first[:500]}
 
 

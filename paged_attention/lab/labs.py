@@ -26,6 +26,11 @@ class Check:
     run: Callable[[Callable[..., Any]], None]     # raises LabCheckFailed (or anything) on a wrong answer
     public: bool = True
 
+    def failure(self, e: BaseException) -> str:
+        """What a student reads when this check fails with ``e``: a verdict's own message, or the
+        exception the function raised."""
+        return f"{self.name}: {e}" if isinstance(e, AssertionError) else f"{self.name}: {type(e).__name__}: {e}"
+
 
 @dataclass(frozen=True)
 class Lab:

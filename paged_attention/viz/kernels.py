@@ -16,7 +16,7 @@ from paged_attention.kernels.layout import (
 )
 from paged_attention.utils import cdiv
 from paged_attention.viz.style import (
-    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, impl_color, is_int, new_axes, plot_times, positive_int, seq_color,
+    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, is_int, new_axes, plot_times, positive_int, seq_color,
     times_series,
 )
 
@@ -309,11 +309,7 @@ def draw_decode_times(contexts: Sequence[int], times_us: dict[str, Sequence[floa
     per context; ``None`` or NaN leaves a gap (a kernel that cannot run that context). Both
     axes are logarithmic: the x axis in powers of two, the y axis because times span decades.
     """
-    if hasattr(contexts, "tolist"):
-        contexts = contexts.tolist()
-    contexts = list(contexts)
-    if not contexts or not all(is_int(c) and c > 0 for c in contexts):
-        raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
+    contexts = _checked_contexts(contexts)
     series = times_series(times_us, len(contexts), "contexts", allow_gaps=True)
 
     ax = plot_times(new_axes(ax, figsize=(7.0, 4.0)), contexts, series, "context length (tokens)",
@@ -338,31 +334,30 @@ def draw_decode_bandwidth(contexts: Sequence[int], times_us: dict[str, Sequence[
     context, with the device-to-device copy rate measured in the same run as the ceiling: a decode
     step reads every cached key and value once, so that is how close a kernel gets to the
     memory's speed. Triton's line is drawn on top."""
-    if hasattr(contexts, "tolist"):
-        contexts = contexts.tolist()
-    contexts = list(contexts)
-    if not contexts or not all(is_int(c) and c > 0 for c in contexts):
-        raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
+    contexts = _checked_contexts(contexts)
     if len(kv_bytes) != len(contexts) or not all(is_int(b) and b > 0 for b in kv_bytes):
         raise ValueError(f"kv_bytes must hold one positive int per context, got {kv_bytes!r}")
     if not isinstance(copy_bytes_per_s, (int, float)) or not copy_bytes_per_s > 0:
         raise ValueError(f"copy_bytes_per_s must be a positive number, got {copy_bytes_per_s!r}")
     series = times_series(times_us, len(contexts), "contexts", allow_gaps=True)
-    ax = new_axes(ax, figsize=(7.0, 4.0))
-    for i, (name, times) in enumerate(series.items()):
-        rates = [b / (t * 1e-6) / 1e12 if t == t else float("nan") for b, t in zip(kv_bytes, times)]
-        ax.plot(contexts, rates, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
+    # TB/s: bytes over seconds; a gap (NaN) stays a gap.
+    rates = {name: [b / (t * 1e-6) / 1e12 for b, t in zip(kv_bytes, times)] for name, times in series.items()}
+    ax = plot_times(new_axes(ax, figsize=(7.0, 4.0)), contexts, rates, "context length (tokens)",
+                    "KV cache read (TB/s)",
+                    title if title is not None else "KV-cache read rate against context length", log_y=False)
     ax.axhline(copy_bytes_per_s / 1e12, color=MUTED_COLOR, ls="--", lw=1.2,
                label=f"device copy, read + write ({copy_bytes_per_s / 1e12:.2f} TB/s)")
     _bring_forward(ax, "Triton")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [str(c) for c in contexts])
     ax.set_ylim(0, copy_bytes_per_s / 1e12 * 1.15)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("KV cache read (TB/s)")
-    ax.grid(True, which="major", alpha=0.3)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
     ax.legend(fontsize=7, frameon=False, loc="lower right")
-    ax.set_title(title if title is not None else "KV-cache read rate against context length", fontsize=10)
     return ax
+
+
+def _checked_contexts(contexts: Any) -> list[int]:
+    """Context lengths as a list of positive ints (a tensor or array is accepted)."""
+    if hasattr(contexts, "tolist"):
+        contexts = contexts.tolist()
+    contexts = list(contexts)
+    if not contexts or not all(is_int(c) and c > 0 for c in contexts):
+        raise ValueError(f"contexts must be a non-empty list of positive ints, got {contexts!r}")
+    return contexts

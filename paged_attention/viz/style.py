@@ -133,13 +133,15 @@ def times_series(times_us: Any, num_points: int, what: str, allow_gaps: bool = F
 
 
 def plot_times(ax: Any, xs: list[int], series: dict[str, list[float]], xlabel: str, ylabel: str,
-               title: str) -> Any:
+               title: str, log_y: bool = True) -> Any:
     """Times against a size, one line per implementation, on log-log axes (sizes in powers of
-    two, labelled as they are): the picture every benchmark in the notebooks draws."""
+    two, labelled as they are): the picture every benchmark in the notebooks draws. ``log_y=False``
+    keeps the y axis linear (for rates)."""
     for i, (name, times) in enumerate(series.items()):
         ax.plot(xs, times, marker="o", ms=4, lw=1.6, color=impl_color(name, i), label=name)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if log_y:
+        ax.set_yscale("log")
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
