@@ -1,9 +1,11 @@
 """Decode-attention bandwidth of the Triton kernel, as a fraction of a device-to-device copy.
 
-Usage (GPU machine):  python benchmarks/bench_decode.py [--sweep | --cuda]
+Usage (GPU machine):  python benchmarks/bench_decode.py [--sweep | --cuda | --calls]
 Prints one row per (batch, context) of the decode targets, with a shuffled and an identity block
 table. ``--sweep`` tries launch shapes and split counts instead (for tuning the defaults);
-``--cuda`` times our CUDA paged_attention_v1/v2 next to the Triton kernel. The workloads and
+``--cuda`` times our CUDA paged_attention_v1/v2 next to the Triton kernel; ``--calls`` times
+each call as a user makes it (eager, CUDA-graph replay, host time) for ours, vLLM's FA3 and vLLM's
+own Triton kernel, and the cache write. The workloads and
 timers are ``paged_attention.bench.decode``'s.
 """
 import argparse
@@ -18,6 +20,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune launch shapes and split counts")
     parser.add_argument("--cuda", action="store_true", help="CUDA v1/v2 against Triton (v0 layout)")
+    parser.add_argument("--calls", action="store_true",
+                        help="eager / graph / host time per call: ours, vLLM's FA3 and vLLM's Triton kernel")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("this benchmark needs an NVIDIA GPU (on a CPU the Triton interpreter says nothing about speed)")
@@ -25,6 +29,9 @@ def main() -> int:
     from paged_attention.bench import decode
     if opts.sweep:
         decode.sweep()
+    elif opts.calls:
+        decode.calls_table()
+        decode.cache_write_calls()
     elif opts.cuda:
         decode.cuda_attention_table()
     else:

@@ -10,6 +10,9 @@ The files are built on PyTorch's stable ABI and load into another torch version.
 vllm 0.33.0: FA3 165 MB -> 7.6 MB, the cache ops 88 MB -> 60.4 MB (xz preset 9e,
 after strip; a few minutes on two cores).
 
+``fetch`` also copies two Python files, vLLM's Triton paged attention
+(``paged_attention.kernels.vllm_triton`` executes them as a peer of ours), as ``NAME.py.xz``.
+
 ``unpack`` decompresses every ``*.xz`` of SRC_DIR into DEST_DIR (Python's lzma: no xz binary
 needed); point ``PAGED_ATTENTION_VLLM_KERNELS`` at DEST_DIR.
 """
@@ -30,16 +33,26 @@ LIBRARIES = {
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": "_vllm_fa3_C.abi3.so",
     "vllm/_C_stable_libtorch.abi3.so": "_C_stable_libtorch.abi3.so",
 }
+# vLLM's Triton attention: its source, executed at run time (a few tens of KB).
+SOURCES = {
+    "vllm/v1/attention/ops/triton_unified_attention.py": "triton_unified_attention.py",
+    "vllm/v1/attention/ops/triton_attention_helpers.py": "triton_attention_helpers.py",
+}
 
 
-def fetch(dest: Path, preset: int) -> None:
+def fetch(dest: Path, preset: int, wheel: Path | None = None, libraries: bool = True) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                        "--dest", tmp, f"vllm=={VLLM_VERSION}"], check=True)
-        wheel = next(Path(tmp).glob("vllm-*.whl"))
+        if wheel is None:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                            "--dest", tmp, f"vllm=={VLLM_VERSION}"], check=True)
+            wheel = next(Path(tmp).glob("vllm-*.whl"))
         with zipfile.ZipFile(wheel) as z:
-            for member, name in LIBRARIES.items():
+            for member, name in SOURCES.items():
+                with z.open(member) as src, lzma.open(dest / f"{name}.xz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                print(f"{name} -> {dest / name}.xz")
+            for member, name in (LIBRARIES.items() if libraries else ()):
                 lib = Path(tmp) / name
                 with z.open(member) as src, open(lib, "wb") as dst:
                     shutil.copyfileobj(src, dst)
@@ -70,12 +83,14 @@ def main() -> None:
     f = sub.add_parser("fetch", help="download the wheel and pack its kernels")
     f.add_argument("--dest", type=Path, default=Path("vllm-kernels"))
     f.add_argument("--preset", type=int, default=9, help="xz preset (9: smallest, slowest)")
+    f.add_argument("--wheel", type=Path, help="a vllm wheel already downloaded (skips the download)")
+    f.add_argument("--sources-only", action="store_true", help="only the Triton sources, not the libraries")
     u = sub.add_parser("unpack", help="decompress packed kernels")
     u.add_argument("src", type=Path)
     u.add_argument("dest", type=Path)
     a = parser.parse_args()
     if a.command == "fetch":
-        fetch(a.dest, a.preset)
+        fetch(a.dest, a.preset, a.wheel, libraries=not a.sources_only)
     else:
         unpack(a.src, a.dest)
 

@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from paged_attention.bench.timing import copy_bandwidth, graph_time_ms, warm_up
+from paged_attention.bench.timing import copy_bandwidth, gpu_us, graph_time_ms, graph_us, host_us, warm_up
 from paged_attention.kernels.triton import paged_attention_decode
-from paged_attention.kernels.triton.decode import choose_launch, choose_num_splits
+from paged_attention.kernels.triton.decode import DecodePlan, choose_launch, choose_num_splits
 from paged_attention.kernels.workloads import DecodeProblem, make_decode_problem
 
 # The shapes of the decode targets: (batch, context).
@@ -232,3 +232,112 @@ def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: in
         torch.cuda.empty_cache()
     # A kernel that ran nowhere (vLLM's FA3 where its library is not found) is left out.
     return list(contexts), {name: t for name, t in times.items() if any(x is not None for x in t)}
+
+
+# --------------------------------------------------------------------------------------------
+# The cost of a call: ours, vLLM's FA3 and vLLM's Triton kernel as a user's code calls them
+# --------------------------------------------------------------------------------------------
+
+# (batch, context): short contexts, where the host's share of a call is largest, to long ones.
+CALL_SHAPES = ((64, 512), (64, 1024), (32, 2048), (64, 4096), (64, 16384), (4, 32768), (1, 131072),
+               (128, 256), (256, 1024))
+
+
+def call_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], object]]:
+    """One decode of ``p`` per call, for each kernel that can run here, each as its users call it:
+    ours through the unchecked entry point (``check_ids=False``: a plan looked up by shape) and
+    through a ``DecodePlan`` kept by the caller; vLLM's FA3 op called directly, its metadata
+    prepared beforehand (as vLLM's backend does); vLLM's Triton ``unified_attention`` as vLLM's
+    Triton backend calls it. Each runner's output is checked against the float64 reference first."""
+    from paged_attention.kernels import vllm, vllm_triton
+    from paged_attention.kernels.reference import ref_decode_attention
+    q, k, v, bt, sl, scale, _ = p.decode_args()
+    plan = DecodePlan(q, k, v, bt, sl, scale, max_seq_len=context, check_ids=False)
+    outs: dict[str, torch.Tensor] = {}
+
+    def out(name: str) -> torch.Tensor:
+        return outs.setdefault(name, torch.empty_like(q))
+    runners = {
+        "ours": lambda: paged_attention_decode(out("ours"), q, k, v, bt, sl, scale, max_seq_len=context,
+                                               check_ids=False),
+        "ours plan.run": lambda: plan.run(out("ours plan.run"), q, k, v, bt, sl),
+    }
+    if vllm.available("fa3")[0]:
+        runners["vLLM FA3"] = vllm.fa3_decode_call(out("vLLM FA3"), q, k, v, bt, sl, scale, context)
+    if vllm_triton.available()[0]:
+        peer = vllm_triton.VllmTritonDecode(q.size(1), k.size(2), q.size(2), q.size(0), q.device)
+        runners["vLLM Triton"] = lambda: peer.run(out("vLLM Triton"), q, k, v, bt, sl, scale, context)
+    expected = ref_decode_attention(*p.decode_args())
+    for name, run in runners.items():
+        run()
+        err = (out(name).double() - expected).abs().max().item()
+        if not err < 2e-2:
+            raise AssertionError(f"{name} differs from the float64 reference by {err:.3g} at {p.query.size(0)} x {context}")
+    return runners
+
+
+def calls_table(shapes=CALL_SHAPES, print_fn=print) -> list[dict]:
+    """Per shape and kernel: eager µs (``do_bench``: median, L2 flushed by a write before each
+    call), CUDA-graph replay µs, and host µs per call (Python issuing the call, the GPU kept busy);
+    then ours over each peer (throughput: the peer's time over ours; > 1 means ours is faster)."""
+    warm_up()
+    print_fn(f"device: {torch.cuda.get_device_name()}; 32 query / 8 KV heads, head size 128, block size 16, bf16, "
+             "shuffled block tables; every kernel checked against the float64 reference first")
+    print_fn("eager: do_bench median (L2 flushed before each call); graph: one call replayed from a CUDA graph; "
+             "host: Python time per call")
+    rows = []
+    for batch, context in shapes:
+        p = make_decode_problem([context] * batch, device="cuda", shuffle=True, **MODEL)
+        runners = call_runners(p, context)
+        row = {"batch": batch, "context": context}
+        for name, run in runners.items():
+            row[name] = {"eager": gpu_us(run), "graph": graph_us(run), "host": host_us(run)}
+        print_fn(f"{batch:>4} x {context:<6}  " + "  ".join(
+            f"{name}: {t['eager']:7.1f} / {t['graph']:7.1f} / {t['host']:5.1f}" for name, t in row.items()
+            if isinstance(t, dict)))
+        ours = row["ours"]
+        for peer in ("vLLM FA3", "vLLM Triton"):
+            if peer in row:
+                row[f"ours/{peer}"] = {m: row[peer][m] / ours[m] for m in ("eager", "graph")}
+        ratios = "  ".join(f"{k}: eager {v['eager']:.2f}, graph {v['graph']:.2f}" for k, v in row.items()
+                           if k.startswith("ours/"))
+        if ratios:
+            print_fn(f"{'':15}{ratios}")
+        rows.append(row)
+        del p, runners
+        torch.cuda.empty_cache()
+    return rows
+
+
+def cache_write_calls(num_tokens=(1, 64, 256, 2048), print_fn=print) -> list[dict]:
+    """``reshape_and_cache_flash`` per call: ours checked (reads the slots back), ours unchecked
+    (a plan looked up by shape), vLLM's CUDA op (where its library is found), as eager / graph /
+    host µs. 8 KV heads x 128, block size 16, bf16, 4096 blocks."""
+    from paged_attention.kernels import vllm
+    from paged_attention.kernels.triton import reshape_and_cache_flash
+    warm_up()
+    dev = "cuda"
+    kc = torch.zeros(4096, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    vc = torch.zeros_like(kc)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    rows = []
+    for n in num_tokens:
+        key = torch.randn(n, 8, 128, dtype=torch.bfloat16, device=dev)
+        value = torch.randn_like(key)
+        slots = torch.randperm(4096 * 16, device=dev)[:n]
+        runners = {
+            "ours checked": lambda: reshape_and_cache_flash(key, value, kc, vc, slots, "auto", one, one),
+            "ours": lambda: reshape_and_cache_flash(key, value, kc, vc, slots, "auto", one, one, check_slots=False),
+        }
+        if vllm.available("cache_ops")[0]:
+            runners["vLLM CUDA op"] = lambda: vllm.reshape_and_cache_flash(key, value, kc, vc, slots, "auto", one, one,
+                                                                       check_slots=False)
+        row = {"tokens": n}
+        for name, run in runners.items():
+            row[name] = {"eager": gpu_us(run), "graph": graph_us(run) if name != "ours checked" else float("nan"),
+                         "host": host_us(run)}
+        print_fn(f"reshape_and_cache_flash, {n:>5} tokens  " + "  ".join(
+            f"{name}: {t['eager']:6.1f} / {t['graph']:6.1f} / {t['host']:5.1f}" for name, t in row.items()
+            if isinstance(t, dict)))
+        rows.append(row)
+    return rows

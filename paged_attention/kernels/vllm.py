@@ -27,7 +27,7 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -257,21 +257,46 @@ def paged_attention_decode(
         return
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     try:
-        fa3.fwd(query, key_cache, value_cache,
-                None, None, None,                  # k_new, v_new, q_v
-                out, cu_seqlens_q,
-                None, None, None,                  # cu_seqlens_k (the page table gives the keys), _k_new, seqused_q
-                seq_lens.to(torch.int32).contiguous(), 1, max_seq_len,
-                block_tables.to(torch.int32).contiguous(),   # FA3 wants unit-stride rows
-                None, None, None, None, None,      # kv_batch_idx, leftpad_k, rotary cos/sin/seqlens
-                None, None, None,                  # q/k/v descale (fp8 only)
-                float(scale),
-                True, -1, -1,                      # causal (a lone last query sees every key), no window
-                0.0, True,                         # no softcap; rotary_interleaved (unused)
-                None, num_splits or 0,             # scheduler_metadata, num_splits (0: FA3 decides)
-                None, 0, None,                     # pack_gqa (FA3 decides), sm_margin, s_aux
-                1, 0, None)                        # no context parallelism
+        _fa3_fwd(fa3, out, query, key_cache, value_cache, cu_seqlens_q, seq_lens.to(torch.int32).contiguous(),
+                 block_tables.to(torch.int32).contiguous(), float(scale), max_seq_len, num_splits or 0)
     except RuntimeError as e:
         if "CUDA error" in str(e):       # a fault, not a refusal
             raise
         raise KernelUnavailable(f"vLLM's FA3 refused these arguments: {e}") from e
+
+
+def _fa3_fwd(fa3: Any, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+             max_seq_len: int, num_splits: int) -> None:
+    """FA3's op as a decode: one query per sequence (``cu_seqlens_q`` = 0, 1, ..., num_seqs), the
+    block table as its page table (int32, unit-stride rows), the lengths as ``seqused_k``."""
+    fa3.fwd(query, key_cache, value_cache,
+            None, None, None,                  # k_new, v_new, q_v
+            out, cu_seqlens_q,
+            None, None, None,                  # cu_seqlens_k (the page table gives the keys), _k_new, seqused_q
+            seq_lens, 1, max_seq_len, block_tables,
+            None, None, None, None, None,      # kv_batch_idx, leftpad_k, rotary cos/sin/seqlens
+            None, None, None,                  # q/k/v descale (fp8 only)
+            scale,
+            True, -1, -1,                      # causal (a lone last query sees every key), no window
+            0.0, True,                         # no softcap; rotary_interleaved (unused)
+            None, num_splits,                  # scheduler_metadata, num_splits (0: FA3 decides)
+            None, 0, None,                     # pack_gqa (FA3 decides), sm_margin, s_aux
+            1, 0, None)                        # no context parallelism
+
+
+def fa3_decode_call(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    max_seq_len: int) -> Callable[[], None]:
+    """A callable making FA3's op call for this decode and nothing else, as vLLM's FlashAttention
+    backend makes it (its metadata, ``cu_seqlens_q`` included, prepared beforehand): what a
+    benchmark times as FA3's call. Checks the arguments once, here."""
+    paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                           max_seq_len=max_seq_len)
+    fa3 = _fa3()
+    cu_seqlens_q = torch.arange(query.size(0) + 1, dtype=torch.int32, device=query.device)
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    scale = float(scale)
+    return lambda: _fa3_fwd(fa3, out, query, key_cache, value_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                            max_seq_len, 0)

@@ -96,6 +96,8 @@ class BlockTables:
         self._device = check_kernel_device(device, "BlockTables")
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
+        # What Tensor.get_device() says for a tensor on that device (cheaper than comparing devices).
+        self._device_id = self._device.index if self._device.type == "cuda" else -1
 
         self.num_kv_cache_groups = len(self.block_sizes)
         # A request of max_model_len tokens fills cdiv(max_model_len, block_size) blocks.
@@ -265,7 +267,7 @@ class BlockTables:
             raise TypeError(f"{name} must be int32 or int64, got {str(t.dtype).replace('torch.', '')}")
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-        if t.device.type != self._device.type or (t.is_cuda and t.device.index != self._device.index):
+        if t.get_device() != self._device_id:
             raise ValueError(f"{name} must be on {self._device} (where the tables are), got {t.device}")
         if t.numel() > 1 and t.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")

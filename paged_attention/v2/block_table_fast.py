@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_attention.kernels.triton.launch import Launcher
 from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, next_power_of_2
 from paged_attention.v2.block_table import BlockTables, SlotProgram, _capturing, _load_ptr
 from paged_attention.v2.buffers import UvaBufferPool
@@ -59,6 +60,7 @@ class FastBlockTables(BlockTables):
         self._num_blocks_device = torch.zeros(self.num_kv_cache_groups, self.max_num_reqs, dtype=torch.int32,
                                               device=self._device)
         self._num_blocks_device_source: Optional[torch.Tensor] = None
+        self._launchers: dict[tuple, Launcher] = {}
         # The binary search: enough halvings of [0, max_num_reqs], and a power of two covering
         # query_start_loc (computed once: host time per call counts).
         self._search_steps = max(1, self.max_num_reqs.bit_length())
@@ -144,19 +146,30 @@ class FastBlockTables(BlockTables):
         graphs must then be captured again."""
         buf, n = packed
         num_counts = self.num_blocks.np.size
-        if _capturing(self._device):
-            rows, strided = self.capture_write_rows, True
+        capturing = _capturing(self._device)
+        if capturing:
+            rows = self.capture_write_rows
             num_write_programs = min(self.capture_write_programs, cdiv(self._max_writes, rows))
         else:
-            rows, strided = self.write_rows, False
+            rows = self.write_rows
             num_write_programs = cdiv(n, rows)
-        grid = (num_write_programs + cdiv(num_counts, self.counts_block),)
-        _apply_block_table_writes_kernel[grid](
-            packed_ptr=buf, max_writes=self._max_writes, table_ptrs=self.block_table_ptrs,
-            table_strides=self.block_table_strides, counts_dst=self._num_blocks_device, num_counts=num_counts,
-            num_write_programs=num_write_programs, NUM_GROUPS=self.num_kv_cache_groups,
-            WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=strided,
-        )
+        launch = self._launcher(
+            _apply_block_table_writes_kernel, ("packed_ptr", "num_write_programs"),
+            max_writes=self._max_writes, table_ptrs=self.block_table_ptrs, table_strides=self.block_table_strides,
+            counts_dst=self._num_blocks_device, num_counts=num_counts, NUM_GROUPS=self.num_kv_cache_groups,
+            WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=capturing)
+        launch((num_write_programs + cdiv(num_counts, self.counts_block),), buf, num_write_programs)
+
+    def _launcher(self, kernel, names: tuple[str, ...], **fixed) -> Launcher:
+        """The ``Launcher`` of ``kernel`` with these fixed arguments (launch shapes, tables), made
+        once: later launches skip Triton's argument binding (see ``kernels.triton.launch``). The
+        fixed arguments are this object's own buffers and tile attributes, so a key of the kernel
+        and the tile attributes it reads finds it again."""
+        key = (kernel, *(v for v in fixed.values() if isinstance(v, (int, bool))))
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            launcher = self._launchers[key] = Launcher(kernel, names, **fixed)
+        return launcher
 
     def _packed_write_pool(self, length: int) -> UvaBufferPool:
         pool = self._write_pool
@@ -186,13 +199,13 @@ class FastBlockTables(BlockTables):
         num_reqs, num_reqs_padded = self._check_gather(idx_mapping, num_reqs_padded, check)
         if num_reqs_padded > 0:
             num_blocks = self._counts()
-            _gather_block_tables_fast_kernel[(cdiv(num_reqs_padded, self.gather_rows), self.num_kv_cache_groups)](
-                idx_mapping=idx_mapping, src_block_table_ptrs=self.block_table_ptrs,
-                dst_block_table_ptrs=self.input_block_table_ptrs, block_table_strides=self.block_table_strides,
-                num_blocks_ptr=num_blocks, num_blocks_stride=num_blocks.stride(0), num_reqs=num_reqs,
-                num_reqs_padded=num_reqs_padded, max_num_reqs=self.max_num_reqs,
-                ROWS=self.gather_rows, BLOCK_COLS=self.gather_block_cols,
-            )
+            launch = self._launcher(
+                _gather_block_tables_fast_kernel, ("idx_mapping", "num_blocks_ptr", "num_reqs", "num_reqs_padded"),
+                src_block_table_ptrs=self.block_table_ptrs, dst_block_table_ptrs=self.input_block_table_ptrs,
+                block_table_strides=self.block_table_strides, num_blocks_stride=self.max_num_reqs,
+                max_num_reqs=self.max_num_reqs, ROWS=self.gather_rows, BLOCK_COLS=self.gather_block_cols)
+            launch((cdiv(num_reqs_padded, self.gather_rows), self.num_kv_cache_groups), idx_mapping, num_blocks,
+                   num_reqs, num_reqs_padded)
         return self._gathered(num_reqs, num_reqs_padded)
 
     def compute_slot_mappings(self, query_start_loc: torch.Tensor, positions: torch.Tensor, *,
@@ -203,16 +216,16 @@ class FastBlockTables(BlockTables):
         num_reqs, num_tokens, num_tokens_padded = self._check_slot_mappings(
             query_start_loc, positions, idx_mapping, num_tokens_padded, check)
         has_idx = idx_mapping is not None
-        _compute_slot_mappings_fast_kernel[(cdiv(self.max_num_batched_tokens, self.slot_block_tokens),)](
-            num_reqs=num_reqs, num_positions=num_tokens, max_num_tokens=self.max_num_batched_tokens,
-            max_num_reqs=self.max_num_reqs, idx_mapping=idx_mapping if has_idx else query_start_loc,
-            cu_num_tokens=query_start_loc, pos=positions,
+        launch = self._launcher(
+            _compute_slot_mappings_fast_kernel, ("num_reqs", "num_positions", "idx_mapping", "cu_num_tokens", "pos"),
+            max_num_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_reqs,
             block_table_ptrs=self.block_table_ptrs if has_idx else self.input_block_table_ptrs,
             block_table_strides=self.block_table_strides, page_sizes=self.block_sizes_tensor,
             slot_mappings_ptr=self.slot_mappings, slot_mappings_stride=self.slot_mappings.stride(0),
             PAD_ID=PAD_SLOT_ID, HAS_IDX_MAPPING=has_idx, NUM_GROUPS=self.num_kv_cache_groups,
-            SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens,
-        )
+            SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens)
+        launch((cdiv(self.max_num_batched_tokens, self.slot_block_tokens),), num_reqs, num_tokens,
+               idx_mapping if has_idx else query_start_loc, query_start_loc, positions)
         return self.slot_mappings[:, :num_tokens_padded]
 
     def gather_and_compute_slot_mappings(
@@ -229,18 +242,20 @@ class FastBlockTables(BlockTables):
         num_blocks = self._counts()
         num_slot_programs = cdiv(self.max_num_batched_tokens, self.slot_block_tokens)
         gather_tiles = cdiv(num_reqs_padded, self.gather_rows)
-        _gather_and_slots_fast_kernel[(num_slot_programs + gather_tiles * self.num_kv_cache_groups,)](
-            idx_mapping=idx_mapping, src_block_table_ptrs=self.block_table_ptrs,
-            dst_block_table_ptrs=self.input_block_table_ptrs, block_table_strides=self.block_table_strides,
-            num_blocks_ptr=num_blocks, num_blocks_stride=num_blocks.stride(0), num_reqs=num_reqs,
-            num_reqs_padded=num_reqs_padded, max_num_reqs=self.max_num_reqs, num_positions=num_tokens,
-            max_num_tokens=self.max_num_batched_tokens, cu_num_tokens=query_start_loc, pos=positions,
+        launch = self._launcher(
+            _gather_and_slots_fast_kernel,
+            ("idx_mapping", "num_blocks_ptr", "num_reqs", "num_reqs_padded", "num_positions", "cu_num_tokens", "pos",
+             "gather_tiles"),
+            src_block_table_ptrs=self.block_table_ptrs, dst_block_table_ptrs=self.input_block_table_ptrs,
+            block_table_strides=self.block_table_strides, num_blocks_stride=self.max_num_reqs,
+            max_num_reqs=self.max_num_reqs, max_num_tokens=self.max_num_batched_tokens,
             page_sizes=self.block_sizes_tensor, slot_mappings_ptr=self.slot_mappings,
             slot_mappings_stride=self.slot_mappings.stride(0), num_slot_programs=num_slot_programs,
-            gather_tiles=max(gather_tiles, 1), PAD_ID=PAD_SLOT_ID, NUM_GROUPS=self.num_kv_cache_groups,
-            SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens,
-            ROWS=self.gather_rows, BLOCK_COLS=self.gather_block_cols,
-        )
+            PAD_ID=PAD_SLOT_ID, NUM_GROUPS=self.num_kv_cache_groups, SEARCH_STEPS=self._search_steps,
+            QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens, ROWS=self.gather_rows,
+            BLOCK_COLS=self.gather_block_cols)
+        launch((num_slot_programs + gather_tiles * self.num_kv_cache_groups,), idx_mapping, num_blocks, num_reqs,
+               num_reqs_padded, num_tokens, query_start_loc, positions, max(gather_tiles, 1))
         return self._gathered(num_reqs, num_reqs_padded), self.slot_mappings[:, :num_tokens_padded]
 
 

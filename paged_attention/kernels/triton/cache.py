@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import KernelUnavailable, args
+from paged_attention.kernels.triton.launch import Launcher, tensor_signature
 
 
 @triton.jit
@@ -50,6 +51,63 @@ def _reshape_and_cache_flash_kernel(
         tl.store(value_cache_ptr + blk * vc_stride_blk + off * vc_stride_tok + h * vc_stride_head + d, v, mask=mask)
 
 
+class CacheWritePlan:
+    """``reshape_and_cache_flash`` checked once for one set of shapes, strides and dtypes; ``run``
+    takes tensors like the planned ones (new contents, e.g. the next step's keys, another layer's
+    cache) and only launches. See ``DecodePlan`` for the idea."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_cache_dtype: str,
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, *, check_slots: bool = True) -> None:
+        args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                           k_scale, v_scale, check_slots=check_slots)
+        if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
+            raise KernelUnavailable(f"the Triton reshape_and_cache_flash writes unquantized caches only "
+                                    f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or "
+                                    f"kernels.cuda")
+        check_triton_dtype(key)
+        args.unit_last_stride(key=key, value=value)
+        self.signature = tuple(map(tensor_signature, (key, value, key_cache, value_cache, slot_mapping)))
+        num_blocks, block_size, num_heads, head_size = key_cache.shape
+        self.num_tokens = num_tokens = slot_mapping.size(0)
+        tokens_per_program = 1 if key.is_cuda else 16   # the interpreter pays per program: batch tokens
+        self._grid = (triton.cdiv(num_tokens, tokens_per_program),)
+        self._write = Launcher(
+            _reshape_and_cache_flash_kernel, ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr",
+                                              "slot_mapping_ptr"),
+            num_tokens=num_tokens, slot_stride=slot_mapping.stride(0),
+            key_stride_t=key.stride(0), key_stride_h=key.stride(1),
+            value_stride_t=value.stride(0), value_stride_h=value.stride(1),
+            kc_stride_blk=key_cache.stride(0), kc_stride_tok=key_cache.stride(1), kc_stride_head=key_cache.stride(2),
+            vc_stride_blk=value_cache.stride(0), vc_stride_tok=value_cache.stride(1),
+            vc_stride_head=value_cache.stride(2),
+            NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size, TOKENS_PER_PROGRAM=tokens_per_program,
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_size))
+
+    def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            slot_mapping: torch.Tensor) -> None:
+        """Write the tokens; each tensor must match the plan (``ValueError`` if not). The slots are
+        not checked again."""
+        tensors = (key, value, key_cache, value_cache, slot_mapping)
+        for name, t, planned in zip(("key", "value", "key_cache", "value_cache", "slot_mapping"), tensors,
+                                    self.signature):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tensor_signature(t) != planned:
+                raise ValueError(f"{name} does not match the plan (shape, strides, dtype, device): planned "
+                                 f"{planned}, got {tensor_signature(t)}; make a new CacheWritePlan for it")
+        self._launch(*tensors)
+
+    def _launch(self, *tensors: torch.Tensor) -> None:
+        if self.num_tokens:
+            self._write(self._grid, *tensors)
+
+
+# Plans made by calls with check_slots=False, by everything their checks depend on.
+_PLANS: dict[tuple, CacheWritePlan] = {}
+_MAX_PLANS = 64
+
+
 def reshape_and_cache_flash(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -68,34 +126,28 @@ def reshape_and_cache_flash(
     only ``slot_mapping.size(0)`` tokens are written, negative slots are skipped. fp8 caches, and
     bf16 in the interpreter, raise ``KernelUnavailable`` (use ``kernels.reference``, or the CUDA
     kernels). ``check_slots=False`` skips the one check that reads the slots back from the device
-    (a wait for the GPU): for a caller that built them, as the model does once per step.
+    (a wait for the GPU): for a caller that built them, as the model does once per step. Such
+    calls are also checked only once per combination of shapes, strides and dtypes (a
+    ``CacheWritePlan``, kept and reused), and later ones only launch.
     """
-    args.check_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                       k_scale, v_scale, check_slots=check_slots)
-    if kv_cache_dtype not in args.UNQUANTIZED_KV_DTYPES:
-        raise KernelUnavailable(f"the Triton reshape_and_cache_flash writes unquantized caches only "
-                                f"(kv_cache_dtype 'auto'); got {kv_cache_dtype!r}: use kernels.reference or "
-                                f"kernels.cuda")
-    check_triton_dtype(key)
-    args.unit_last_stride(key=key, value=value)
-    num_blocks, block_size, num_heads, head_size = key_cache.shape
-
-    num_tokens = slot_mapping.size(0)
-    if num_tokens == 0:
+    if check_slots is not False:
+        CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                       check_slots=check_slots)._launch(key, value, key_cache, value_cache, slot_mapping)
         return
-    tokens_per_program = 1 if key.is_cuda else 16   # the interpreter pays per program: batch tokens
-    grid = (triton.cdiv(num_tokens, tokens_per_program),)
-    _reshape_and_cache_flash_kernel[grid](
-        key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-        slot_mapping_ptr=slot_mapping, num_tokens=num_tokens, slot_stride=slot_mapping.stride(0),
-        key_stride_t=key.stride(0), key_stride_h=key.stride(1),
-        value_stride_t=value.stride(0), value_stride_h=value.stride(1),
-        kc_stride_blk=key_cache.stride(0), kc_stride_tok=key_cache.stride(1), kc_stride_head=key_cache.stride(2),
-        vc_stride_blk=value_cache.stride(0), vc_stride_tok=value_cache.stride(1), vc_stride_head=value_cache.stride(2),
-        NUM_HEADS=num_heads, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        TOKENS_PER_PROGRAM=tokens_per_program,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_size),
-    )
+    try:
+        key_ = (tuple(map(tensor_signature, (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale))),
+                kv_cache_dtype)
+        plan = _PLANS.get(key_)
+    except (AttributeError, TypeError):      # not tensors, or an unhashable dtype name: the checks say why
+        key_ = plan = None
+    if plan is None:
+        plan = CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                              check_slots=False)
+        if key_ is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[key_] = plan
+    plan._launch(key, value, key_cache, value_cache, slot_mapping)
 
 
 def check_triton_dtype(t: torch.Tensor) -> None:

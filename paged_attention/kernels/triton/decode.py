@@ -34,7 +34,8 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton.cache import check_triton_dtype
-from paged_attention.utils import cdiv
+from paged_attention.kernels.triton.launch import Launcher, tensor_signature
+from paged_attention.utils import cdiv, is_int
 
 LOG2E = 1.4426950408889634
 
@@ -221,6 +222,130 @@ def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -
     return (64, 4, 2) if num_splits > 1 else (64, 4, 3)
 
 
+class DecodePlan:
+    """A decode call checked and prepared once, then run many times (FlashInfer's plan/run split).
+
+    Planning does everything a checked ``paged_attention_decode`` does before its launch: it checks
+    the tensors (shapes, dtypes, device, strides; the ids in the tables too unless
+    ``check_ids=False``), picks the split count and the launch shape, and allocates the split
+    buffers, which every run reuses. ``run`` takes tensors with exactly the planned shapes,
+    strides, dtypes and device (new contents each time: the next step's queries, another layer's
+    cache) and launches. Its only checks compare each tensor with the plan; one that differs is
+    refused with a ``ValueError`` before anything is launched.
+
+    A plan's split buffers are scratch for one launch at a time: run a plan on one CUDA stream
+    (as a model does), or give each stream its own plan.
+    """
+
+    def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 alibi_slopes: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                 max_seq_len: int | None = None, num_splits: int | None = None, check_ids: bool = True,
+                 launch: tuple[int, int, int] | None = None) -> None:
+        out = torch.empty_like(query) if out is None and isinstance(query, torch.Tensor) else out
+        max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
+                                                   alibi_slopes, check_ids=check_ids, scale=scale, out=out,
+                                                   max_seq_len=max_seq_len, num_splits=num_splits)
+        check_triton_dtype(query)
+        args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
+        num_seqs, num_heads, head_size = query.shape
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        if num_splits is None:
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if num_seqs else 1
+        tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len, num_splits)
+        if not is_int(tile_n) or tile_n < 16 or tile_n & (tile_n - 1):
+            raise ValueError(f"TILE_N must be a power of two >= 16, got {tile_n}")
+        # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
+        tokens_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), tile_n) * tile_n
+        self.num_splits = num_splits = cdiv(max(max_seq_len, 1), tokens_per_split)
+        self.max_seq_len = max_seq_len
+        self.signature = tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables,
+                                                      seq_lens, alibi_slopes)))
+        self.num_seqs = num_seqs
+        if num_seqs == 0:
+            return
+        dev = query.device
+        if num_splits > 1:
+            self._part_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=dev)
+            self._part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=dev)
+            self._part_l = torch.empty_like(self._part_m)
+        use_alibi = alibi_slopes is not None
+        head_block = triton.next_power_of_2(head_size)
+        self._grid = (num_seqs, num_kv_heads, num_splits)
+        # The strides are part of the plan (run checks them), so they are fixed arguments.
+        self._decode = Launcher(
+            _paged_decode_kernel,
+            ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr",
+             "block_tables_ptr", "seq_lens_ptr", "alibi_ptr"),
+            qk_scale=float(scale) * LOG2E, tokens_per_split=tokens_per_split, num_splits=num_splits,
+            q_stride_s=query.stride(0), q_stride_h=query.stride(1),
+            k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
+            v_stride_blk=value_cache.stride(0), v_stride_tok=value_cache.stride(1),
+            v_stride_head=value_cache.stride(2),
+            bt_stride_s=block_tables.stride(0), bt_stride_b=block_tables.stride(1),
+            sl_stride=seq_lens.stride(0), alibi_stride=alibi_slopes.stride(0) if use_alibi else 0,
+            o_stride_s=out.stride(0), o_stride_h=out.stride(1),
+            QUERIES_PER_KV=num_heads // num_kv_heads,
+            BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+            HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_SIZE=block_size, TILE_N=tile_n,
+            SPLIT=num_splits > 1, USE_ALIBI=use_alibi,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
+            num_warps=num_warps, num_stages=num_stages)
+        if num_splits > 1:
+            self._merge_grid = (num_seqs, num_heads)
+            self._merge = Launcher(
+                _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr"),
+                o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_splits,
+                HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_S=triton.next_power_of_2(num_splits))
+
+    def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None) -> None:
+        """Decode attention into ``out``; the tensors must match the plan (``ValueError`` if not).
+        The ids are not checked again: ``seq_lens`` must stay within the planned ``max_seq_len``
+        and the tables within the cache, as they were when planned."""
+        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+        try:
+            planned = tuple(map(tensor_signature, tensors)) == self.signature
+        except AttributeError:                   # not a tensor
+            planned = False
+        if not planned:
+            self._refuse(tensors)
+        self._launch(*tensors)
+
+    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes) -> None:
+        if self.num_seqs == 0:
+            return
+        if self.num_splits > 1:
+            parts = self._part_out, self._part_m, self._part_l
+        else:
+            parts = out, out, out                # unused without splits
+        self._decode(self._grid, out, *parts, query, key_cache, value_cache, block_tables, seq_lens,
+                     query if alibi_slopes is None else alibi_slopes)
+        if self.num_splits > 1:
+            self._merge(self._merge_grid, out, *parts)
+
+    def _refuse(self, tensors: tuple) -> None:
+        names = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
+        for name, t, planned in zip(names, tensors, self.signature):
+            if not isinstance(t, torch.Tensor) and (t is not None or name != "alibi_slopes"):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            got = tensor_signature(t)
+            if got != planned:
+                def show(sig):
+                    return "None" if sig is None else \
+                        f"shape {tuple(sig[0])}, strides {sig[1]}, {sig[2]}, " \
+                        f"{'cpu' if sig[3] < 0 else f'cuda:{sig[3]}'}"
+                raise ValueError(f"{name} does not match the plan: planned {show(planned)}, got {show(got)}; "
+                                 f"make a new DecodePlan for it")
+
+
+# Plans made by unchecked calls (check_ids=False), by everything the checks depend on: a call
+# with the same shapes, strides, dtypes and options is checked once. Bounded, oldest dropped.
+_PLANS: dict[tuple, DecodePlan] = {}
+_MAX_PLANS = 64
+
+
 def paged_attention_decode(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -253,59 +378,28 @@ def paged_attention_decode(
     then promises that ``max_seq_len`` is an upper bound (with ``check_ids=True`` a smaller one
     is refused). ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default:
     ``choose_launch``), for tuning.
+
+    The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
+    combination of shapes, strides, dtypes and options, and later calls reuse that
+    ``DecodePlan`` (its split buffers included) and only launch. A caller that keeps its own
+    ``DecodePlan`` and calls ``run`` saves the lookup too.
     """
-    max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
-                                               check_ids=check_ids, scale=scale, out=out, max_seq_len=max_seq_len,
-                                               num_splits=num_splits)
-    scale = float(scale)
-    check_triton_dtype(query)
-    num_seqs, num_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
-    if num_seqs == 0:
+    if check_ids or max_seq_len is None:
+        DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
+                   max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids,
+                   launch=launch)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
         return
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-
-    queries_per_kv = num_heads // num_kv_heads
-    block_g = max(16, triton.next_power_of_2(queries_per_kv))
-    tile_n, num_warps, num_stages = launch or choose_launch(query.device, max_seq_len, num_splits)
-    if tile_n < 16 or tile_n & (tile_n - 1):
-        raise ValueError(f"TILE_N must be a power of two >= 16, got {tile_n}")
-    # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
-    tokens_per_split = cdiv(cdiv(max_seq_len, num_splits), tile_n) * tile_n
-    num_splits = cdiv(max_seq_len, tokens_per_split)
-
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
-        part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_out = part_m = part_l = out   # unused
-    use_alibi = alibi_slopes is not None
-    fp32 = query.dtype == torch.float32
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out_ptr=out, part_out_ptr=part_out, part_m_ptr=part_m, part_l_ptr=part_l,
-        q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache,
-        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, alibi_ptr=alibi_slopes if use_alibi else query,
-        qk_scale=scale * LOG2E, tokens_per_split=tokens_per_split, num_splits=num_splits,
-        q_stride_s=query.stride(0), q_stride_h=query.stride(1),
-        k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
-        v_stride_blk=value_cache.stride(0), v_stride_tok=value_cache.stride(1), v_stride_head=value_cache.stride(2),
-        bt_stride_s=block_tables.stride(0), bt_stride_b=block_tables.stride(1),
-        sl_stride=seq_lens.stride(0), alibi_stride=alibi_slopes.stride(0) if use_alibi else 0,
-        o_stride_s=out.stride(0), o_stride_h=out.stride(1),
-        QUERIES_PER_KV=queries_per_kv, BLOCK_G=block_g,
-        HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=num_splits > 1,
-        USE_ALIBI=use_alibi, DOT_PRECISION="ieee" if fp32 else "tf32",
-        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            out_ptr=out, part_out_ptr=part_out, part_m_ptr=part_m, part_l_ptr=part_l,
-            o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_splits,
-            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-            BLOCK_S=triton.next_power_of_2(num_splits),
-        )
+    try:
+        key = (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
+                                            alibi_slopes))), scale, max_seq_len, num_splits, launch)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):      # not tensors, or unhashable options: the checks say why
+        key = plan = None
+    if plan is None:
+        plan = DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
+                          max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[key] = plan
+    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
