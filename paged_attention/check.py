@@ -1,7 +1,8 @@
 """``python -m paged_attention check``: is every kernel right on this machine?
 
 It prints the machine, then one row per kernel with one column per implementation (plain-torch
-reference, Triton, our CUDA, vLLM's own kernels where they are found), each ``ok``, ``skipped``
+reference, Triton, our CUDA, vLLM's own compiled kernels and its Triton attention where they are
+found), each ``ok``, ``skipped``
 (the implementation raised ``KernelUnavailable``: it cannot run here; its whole message is
 printed) or ``FAILED`` (anything else: a wrong result, or an error on good input, with the error),
 and exits non-zero if anything failed. A teacher runs it on every lab machine.
@@ -26,7 +27,7 @@ from paged_attention.kernels.workloads import assert_close_to_oracle, every_othe
 
 KERNELS = ("reshape_and_cache", "reshape_and_cache_flash", "copy_blocks", "swap_blocks",
            "paged_attention_v1", "paged_attention_v2", "paged_attention_decode")
-IMPLEMENTATIONS = ("reference", "triton", "cuda", "vllm")
+IMPLEMENTATIONS = ("reference", "triton", "cuda", "vllm", "vllm-triton")
 
 
 def _dtypes() -> list[torch.dtype]:
@@ -174,7 +175,8 @@ def _load(impl_name: str):
     module = {"reference": "paged_attention.kernels.reference",
               "triton": "paged_attention.kernels.triton",
               "cuda": "paged_attention.kernels.cuda",
-              "vllm": "paged_attention.kernels.vllm"}[impl_name]
+              "vllm": "paged_attention.kernels.vllm",
+              "vllm-triton": "paged_attention.kernels.vllm_triton"}[impl_name]
     try:
         return importlib.import_module(module), None
     except ModuleNotFoundError as e:

@@ -272,7 +272,8 @@ def call_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], objec
         run()
         err = (out(name).double() - expected).abs().max().item()
         if not err < 2e-2:
-            raise AssertionError(f"{name} differs from the float64 reference by {err:.3g} at {p.query.size(0)} x {context}")
+            raise AssertionError(f"{name} differs from the float64 reference by {err:.3g} "
+                                 f"at {p.query.size(0)} x {context}")
     return runners
 
 

@@ -173,17 +173,27 @@ class VllmTritonDecode:
         self.max_num_seqs = max_num_seqs
 
     def __call__(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_seq_len: int,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 alibi_slopes: torch.Tensor | None = None, *, max_seq_len: int | None = None,
                  check_ids: bool = True) -> None:
-        args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, None,
-                                     check_ids=check_ids, scale=scale, out=out, max_seq_len=max_seq_len)
+        """Checked as our ``paged_attention_decode``. vLLM's kernel steps through a table row and
+        through ``seq_lens`` with unit stride, so strided ones are passed as contiguous copies;
+        ``query`` and ``out`` need a contiguous head dimension (the caches may have any strides)."""
+        max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
+                                                   alibi_slopes, check_ids=check_ids, scale=scale, out=out,
+                                                   max_seq_len=max_seq_len)
+        args.unit_last_stride(query=query, out=out)
         num_seqs = query.size(0)
         if num_seqs > self.max_num_seqs:
             raise ValueError(f"{num_seqs} sequences, more than max_num_seqs={self.max_num_seqs}")
-        self.run(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+        if num_seqs:
+            self.run(out, query, key_cache, value_cache, block_tables.to(torch.int32).contiguous(),
+                     seq_lens.to(torch.int32).contiguous(), float(scale), max_seq_len,
+                     None if alibi_slopes is None else alibi_slopes.float().contiguous())
 
     def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int) -> None:
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+            alibi_slopes: torch.Tensor | None = None) -> None:
         """The call vLLM's backend makes, unchecked (what is timed)."""
         num_seqs = query.size(0)
         descale = self._scale_one.expand(num_seqs, self.num_kv_heads)
@@ -193,4 +203,24 @@ class VllmTritonDecode:
             window_size=(-1, -1), block_table=block_tables, softcap=0, q_descale=None, k_descale=descale,
             v_descale=descale, seq_threshold_3D=self.seq_threshold_3d, num_par_softmax_segments=NUM_SEGMENTS,
             softmax_segm_output=self._segm_output, softmax_segm_max=self._segm_max,
-            softmax_segm_expsum=self._segm_expsum)
+            softmax_segm_expsum=self._segm_expsum, alibi_slopes=alibi_slopes)
+
+
+# What ``python -m paged_attention check`` asks of an implementation. On a GPU vLLM's kernel
+# multiplies float32 in TF32, outside float32's tolerance, so it is checked in 16 bits.
+DECODE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def paged_attention_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, alibi_slopes: torch.Tensor | None = None, *, num_splits: int | None = None,
+                           max_seq_len: int | None = None, check_ids: bool = True) -> None:
+    """One decode step with vLLM's Triton kernel, with the signature of ours (``num_splits`` is
+    vLLM's choice, 16 segments or none, and is ignored). Scratch is allocated per call: for
+    checking; time a ``VllmTritonDecode`` kept across calls."""
+    if not isinstance(query, torch.Tensor) or not isinstance(key_cache, torch.Tensor):
+        args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes,
+                                     scale=scale, out=out)
+    peer = VllmTritonDecode(query.size(1), key_cache.size(2), query.size(2), max(query.size(0), 1), query.device)
+    peer(out, query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes,
+         max_seq_len=max_seq_len, check_ids=check_ids)

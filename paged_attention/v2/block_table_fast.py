@@ -23,14 +23,14 @@ mask every access that could leave a table, so ``check=False`` cannot make them 
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import triton
 import triton.language as tl
 
 from paged_attention.kernels.triton.launch import Launcher
-from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, next_power_of_2
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, is_int, next_power_of_2
 from paged_attention.v2.block_table import BlockTables, SlotProgram, _capturing, _load_ptr
 from paged_attention.v2.buffers import UvaBufferPool
 
@@ -61,6 +61,7 @@ class FastBlockTables(BlockTables):
                                               device=self._device)
         self._num_blocks_device_source: Optional[torch.Tensor] = None
         self._launchers: dict[tuple, Launcher] = {}
+        self._views: dict[tuple, object] = {}
         # The binary search: enough halvings of [0, max_num_reqs], and a power of two covering
         # query_start_loc (computed once: host time per call counts).
         self._search_steps = max(1, self.max_num_reqs.bit_length())
@@ -153,22 +154,20 @@ class FastBlockTables(BlockTables):
         else:
             rows = self.write_rows
             num_write_programs = cdiv(n, rows)
-        launch = self._launcher(
+        launch = self._launcher(("apply", capturing, rows, self.write_block, self.counts_block), lambda: Launcher(
             _apply_block_table_writes_kernel, ("packed_ptr", "num_write_programs"),
             max_writes=self._max_writes, table_ptrs=self.block_table_ptrs, table_strides=self.block_table_strides,
             counts_dst=self._num_blocks_device, num_counts=num_counts, NUM_GROUPS=self.num_kv_cache_groups,
-            WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=capturing)
+            WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=capturing))
         launch((num_write_programs + cdiv(num_counts, self.counts_block),), buf, num_write_programs)
 
-    def _launcher(self, kernel, names: tuple[str, ...], **fixed) -> Launcher:
-        """The ``Launcher`` of ``kernel`` with these fixed arguments (launch shapes, tables), made
-        once: later launches skip Triton's argument binding (see ``kernels.triton.launch``). The
-        fixed arguments are this object's own buffers and tile attributes, so a key of the kernel
-        and the tile attributes it reads finds it again."""
-        key = (kernel, *(v for v in fixed.values() if isinstance(v, (int, bool))))
+    def _launcher(self, key: tuple, make: Callable[[], Launcher]) -> Launcher:
+        """The ``Launcher`` for ``key`` (a kernel's name and the tile attributes it is built with),
+        made by ``make`` the first time: later launches skip Triton's argument binding and this
+        object's fixed arguments are not gathered again (see ``kernels.triton.launch``)."""
         launcher = self._launchers.get(key)
         if launcher is None:
-            launcher = self._launchers[key] = Launcher(kernel, names, **fixed)
+            launcher = self._launchers[key] = make()
         return launcher
 
     def _packed_write_pool(self, length: int) -> UvaBufferPool:
@@ -199,11 +198,11 @@ class FastBlockTables(BlockTables):
         num_reqs, num_reqs_padded = self._check_gather(idx_mapping, num_reqs_padded, check)
         if num_reqs_padded > 0:
             num_blocks = self._counts()
-            launch = self._launcher(
+            launch = self._launcher(("gather", self.gather_rows, self.gather_block_cols), lambda: Launcher(
                 _gather_block_tables_fast_kernel, ("idx_mapping", "num_blocks_ptr", "num_reqs", "num_reqs_padded"),
                 src_block_table_ptrs=self.block_table_ptrs, dst_block_table_ptrs=self.input_block_table_ptrs,
                 block_table_strides=self.block_table_strides, num_blocks_stride=self.max_num_reqs,
-                max_num_reqs=self.max_num_reqs, ROWS=self.gather_rows, BLOCK_COLS=self.gather_block_cols)
+                max_num_reqs=self.max_num_reqs, ROWS=self.gather_rows, BLOCK_COLS=self.gather_block_cols))
             launch((cdiv(num_reqs_padded, self.gather_rows), self.num_kv_cache_groups), idx_mapping, num_blocks,
                    num_reqs, num_reqs_padded)
         return self._gathered(num_reqs, num_reqs_padded)
@@ -216,17 +215,17 @@ class FastBlockTables(BlockTables):
         num_reqs, num_tokens, num_tokens_padded = self._check_slot_mappings(
             query_start_loc, positions, idx_mapping, num_tokens_padded, check)
         has_idx = idx_mapping is not None
-        launch = self._launcher(
+        launch = self._launcher(("slots", has_idx, self.slot_block_tokens), lambda: Launcher(
             _compute_slot_mappings_fast_kernel, ("num_reqs", "num_positions", "idx_mapping", "cu_num_tokens", "pos"),
             max_num_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_reqs,
             block_table_ptrs=self.block_table_ptrs if has_idx else self.input_block_table_ptrs,
             block_table_strides=self.block_table_strides, page_sizes=self.block_sizes_tensor,
             slot_mappings_ptr=self.slot_mappings, slot_mappings_stride=self.slot_mappings.stride(0),
             PAD_ID=PAD_SLOT_ID, HAS_IDX_MAPPING=has_idx, NUM_GROUPS=self.num_kv_cache_groups,
-            SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens)
+            SEARCH_STEPS=self._search_steps, QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens))
         launch((cdiv(self.max_num_batched_tokens, self.slot_block_tokens),), num_reqs, num_tokens,
                idx_mapping if has_idx else query_start_loc, query_start_loc, positions)
-        return self.slot_mappings[:, :num_tokens_padded]
+        return self._slot_view(num_tokens_padded)
 
     def gather_and_compute_slot_mappings(
             self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor, *,
@@ -238,11 +237,16 @@ class FastBlockTables(BlockTables):
         side by side: one launch and one kernel's latency per step instead of two."""
         num_reqs, num_tokens, num_tokens_padded = self._check_slot_mappings(
             query_start_loc, positions, idx_mapping, num_tokens_padded, check)
-        _, num_reqs_padded = self._check_gather(idx_mapping, num_reqs_padded, False)
+        # idx_mapping was checked with the slots; only the padded count is left to check.
+        if num_reqs_padded is None:
+            num_reqs_padded = num_reqs
+        elif not (is_int(num_reqs_padded) and num_reqs <= num_reqs_padded <= self.max_num_reqs):
+            self._check_gather(idx_mapping, num_reqs_padded, False)     # raises, saying why
         num_blocks = self._counts()
         num_slot_programs = cdiv(self.max_num_batched_tokens, self.slot_block_tokens)
         gather_tiles = cdiv(num_reqs_padded, self.gather_rows)
-        launch = self._launcher(
+        key = ("fused", self.slot_block_tokens, self.gather_rows, self.gather_block_cols)
+        launch = self._launcher(key, lambda: Launcher(
             _gather_and_slots_fast_kernel,
             ("idx_mapping", "num_blocks_ptr", "num_reqs", "num_reqs_padded", "num_positions", "cu_num_tokens", "pos",
              "gather_tiles"),
@@ -253,10 +257,25 @@ class FastBlockTables(BlockTables):
             slot_mappings_stride=self.slot_mappings.stride(0), num_slot_programs=num_slot_programs,
             PAD_ID=PAD_SLOT_ID, NUM_GROUPS=self.num_kv_cache_groups, SEARCH_STEPS=self._search_steps,
             QSL_BLOCK=self._qsl_block, BLOCK_TOKENS=self.slot_block_tokens, ROWS=self.gather_rows,
-            BLOCK_COLS=self.gather_block_cols)
+            BLOCK_COLS=self.gather_block_cols))
         launch((num_slot_programs + gather_tiles * self.num_kv_cache_groups,), idx_mapping, num_blocks, num_reqs,
                num_reqs_padded, num_tokens, query_start_loc, positions, max(gather_tiles, 1))
-        return self._gathered(num_reqs, num_reqs_padded), self.slot_mappings[:, :num_tokens_padded]
+        return self._gathered(num_reqs, num_reqs_padded), self._slot_view(num_tokens_padded)
+
+    # The views handed back, made once per size (slicing a tensor costs microseconds of host time,
+    # and a step would otherwise make one per group, every step).
+    def _gathered(self, num_reqs: int, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
+        self._num_gathered_reqs = num_reqs
+        views = self._views.get(("tables", num_reqs_padded))
+        if views is None:
+            views = self._views[("tables", num_reqs_padded)] = super()._gathered(num_reqs, num_reqs_padded)
+        return views
+
+    def _slot_view(self, num_tokens: int) -> torch.Tensor:
+        view = self._views.get(("slots", num_tokens))
+        if view is None:
+            view = self._views[("slots", num_tokens)] = self.slot_mappings[:, :num_tokens]
+        return view
 
 
 def fast_slot_programs(max_num_tokens: int, block_tokens: int) -> list[SlotProgram]:

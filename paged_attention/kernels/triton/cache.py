@@ -100,7 +100,7 @@ class CacheWritePlan:
 
     def _launch(self, *tensors: torch.Tensor) -> None:
         if self.num_tokens:
-            self._write(self._grid, *tensors)
+            self._write.pinned(self._grid, *tensors)   # the plan's signatures fix dtypes and alignment
 
 
 # Plans made by calls with check_slots=False, by everything their checks depend on.

@@ -320,10 +320,12 @@ class DecodePlan:
             parts = self._part_out, self._part_m, self._part_l
         else:
             parts = out, out, out                # unused without splits
-        self._decode(self._grid, out, *parts, query, key_cache, value_cache, block_tables, seq_lens,
-                     query if alibi_slopes is None else alibi_slopes)
+        # Pinned launches: the plan's checks (signatures: dtype and alignment included) make every
+        # call specialise as the first did.
+        self._decode.pinned(self._grid, out, *parts, query, key_cache, value_cache, block_tables, seq_lens,
+                            query if alibi_slopes is None else alibi_slopes)
         if self.num_splits > 1:
-            self._merge(self._merge_grid, out, *parts)
+            self._merge.pinned(self._merge_grid, out, *parts)
 
     def _refuse(self, tensors: tuple) -> None:
         names = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
@@ -335,7 +337,8 @@ class DecodePlan:
                 def show(sig):
                     return "None" if sig is None else \
                         f"shape {tuple(sig[0])}, strides {sig[1]}, {sig[2]}, " \
-                        f"{'cpu' if sig[3] < 0 else f'cuda:{sig[3]}'}"
+                        f"{'cpu' if sig[3] < 0 else f'cuda:{sig[3]}'}, " \
+                        f"{'' if sig[4] else 'not '}16-byte aligned"
                 raise ValueError(f"{name} does not match the plan: planned {show(planned)}, got {show(got)}; "
                                  f"make a new DecodePlan for it")
 

@@ -44,16 +44,22 @@ def _spec(value: Any) -> Any:
 
 
 def tensor_signature(t: torch.Tensor | None) -> tuple | None:
-    """What a planned launch depends on in a tensor: its shape, strides, dtype and device (not
-    its contents). Two tensors with the same signature can take each other's place in a plan."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+    """What a planned launch depends on in a tensor: its shape, strides, dtype, device and whether
+    its data is 16-byte aligned (what Triton specialises on), not its contents. Two tensors with
+    the same signature can take each other's place in a plan."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+
+
+def _active(hook: Any) -> bool:
+    # Triton 3.4+ keeps each hook as a chain of callables, empty unless a tool added one.
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _hooks_set() -> bool:
     if _knobs is None:                  # pragma: no cover - older Triton
         return True                     # unknown: let Triton handle every launch
     runtime = _knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook)
 
 
 # Compiled kernels by (fixed values' key, device, per-call values' specialisations).
@@ -98,19 +104,44 @@ class Launcher:
             self._current_stream = driver.get_current_stream
 
     def __call__(self, grid: tuple[int, ...], *values: Any) -> None:
+        """Launch on ``grid``; the per-call values' specialisation picks the compiled kernel."""
         if self._fast:
             device = self._current_device()
-            key = (self._fixed_key, device, *map(_spec, values))
-            compiled = _COMPILED.get(key)
+            compiled = _COMPILED.get((self._fixed_key, device, *map(_spec, values)))
             if compiled is not None and not _hooks_set():
-                args = self._template.copy()
-                for slot, value in zip(self._slots, values):
-                    args[slot] = value
-                compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                             self._current_stream(device), compiled.function, compiled.packed_metadata,
-                             None, None, None, *args)
+                self._run(compiled, device, grid, values)
                 return
+        self._slow(grid, values)
+
+    def pinned(self, grid: tuple[int, ...], *values: Any) -> None:
+        """Launch on ``grid`` with the compiled kernel of the first call, for a caller that makes
+        sure every call's values specialise as the first one's did (a plan that checks each
+        tensor's dtype and alignment): no per-value work at all."""
+        compiled = self._pinned
+        if compiled is not None and not _hooks_set():
+            device = self._current_device()
+            if device == self._pinned_device:
+                self._run(compiled, device, grid, values)
+                return
+        self._slow(grid, values)
+
+    _pinned = None
+
+    def _run(self, compiled: Any, device: int, grid: tuple[int, ...], values: tuple) -> None:
+        # The call Triton's own launch ends with: the C launcher, all arguments in order.
+        args = self._template.copy()
+        for slot, value in zip(self._slots, values):
+            args[slot] = value
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     self._current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args)
+
+    def _slow(self, grid: tuple[int, ...], values: tuple) -> None:
+        # Triton's own path: binds, compiles if needed, launches, and returns the compiled kernel.
         compiled = self.kernel[grid](**self.fixed, **dict(zip(self.names, values)))
         if self._fast and hasattr(compiled, "packed_metadata"):
             compiled.run                # loads the binary, so .function is set
-            _COMPILED[key] = compiled
+            device = self._current_device()
+            _COMPILED[(self._fixed_key, device, *map(_spec, values))] = compiled
+            if self._pinned is None:
+                self._pinned, self._pinned_device = compiled, device
