@@ -7,16 +7,16 @@ bandwidth against a copy, GPU), ``slot_mapping`` (v1's numpy slot mapping agains
 The names notebooks call are also here: ``from paged_attention import bench`` then
 ``bench.decode_table()``, ``bench.kernel_times()``, ``bench.slot_mapping_times(...)``.
 """
-from paged_attention.bench.decode import (CUDA_SHAPES, DECODE_SHAPES, MODEL, DecodeTiming, cuda_attention_table,
-                                          decode_table, kernel_times, kv_bytes_per_step, sweep,
-                                          time_decode)
+from paged_attention.bench.decode import (CALL_SHAPES, CUDA_SHAPES, DECODE_SHAPES, MODEL, DecodeTiming,
+                                          cache_write_calls, calls_table, cuda_attention_table, decode_table,
+                                          kernel_times, kv_bytes_per_step, sweep, time_decode)
 from paged_attention.bench.slot_mapping import (SLOT_MAPPING_BATCH_SWEEP, SLOT_MAPPING_IMPLS,
                                                 SLOT_MAPPING_TOKEN_SWEEP, slot_mapping_batch, slot_mapping_times)
 from paged_attention.bench.timing import (best_us, copy_bandwidth, cpu_name, graph_time_ms, time_ms,
                                           warm_up)
 
 __all__ = [
-    "CUDA_SHAPES", "DECODE_SHAPES", "MODEL", "DecodeTiming", "cuda_attention_table", "decode_table", "kernel_times",
+    "CALL_SHAPES", "cache_write_calls", "calls_table", "CUDA_SHAPES", "DECODE_SHAPES", "MODEL", "DecodeTiming", "cuda_attention_table", "decode_table", "kernel_times",
     "kv_bytes_per_step", "sweep", "time_decode", "SLOT_MAPPING_BATCH_SWEEP", "SLOT_MAPPING_IMPLS", "SLOT_MAPPING_TOKEN_SWEEP",
     "slot_mapping_batch", "slot_mapping_times", "best_us", "copy_bandwidth", "cpu_name", "graph_time_ms",
     "time_ms", "warm_up",
