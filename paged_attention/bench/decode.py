@@ -5,8 +5,9 @@ the memory bandwidth it reaches. The yardstick is a plain ``copy_`` of a large b
 the same run: ``fraction = (KV bytes read / kernel time) / (bytes read + written / copy time)``.
 A fraction near 1 means the kernel reads the cache about as fast as the GPU can move memory at
 all. ``decode_table`` times the Triton kernel (and vLLM's FA3 where found), ``sweep`` its launch
-shapes, ``cuda_attention_table`` and ``kernel_times`` our CUDA kernels next to it;
-``benchmarks/bench_decode.py`` is the command line.
+shapes, ``cuda_attention_table`` and ``kernel_times`` our CUDA kernels next to it; ``calls_table`` and
+``cache_write_calls`` what a call costs as a user's code makes it (eager, graph, host time) for
+ours and vLLM's kernels; ``benchmarks/bench_decode.py`` is the command line.
 """
 from __future__ import annotations
 

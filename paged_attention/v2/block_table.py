@@ -96,9 +96,7 @@ class BlockTables:
         self._device = check_kernel_device(device, "BlockTables")
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        # What Tensor.get_device() says for a tensor on that device (cheaper than comparing devices).
-        self._device_id = self._device.index if self._device.type == "cuda" else -1
-
+        self._device_id = self._device.index if self._device.type == "cuda" else -1   # Tensor.get_device() there
         self.num_kv_cache_groups = len(self.block_sizes)
         # A request of max_model_len tokens fills cdiv(max_model_len, block_size) blocks.
         self.max_num_blocks_per_group = [cdiv(self.max_model_len, bs) for bs in self.block_sizes]
