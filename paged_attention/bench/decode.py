@@ -278,6 +278,12 @@ def call_runners(p: DecodeProblem, context: int) -> dict[str, Callable[[], objec
     return runners
 
 
+def _cost_cells(row: dict) -> str:
+    """``name: eager / graph / host`` (µs) for every kernel timed in a row."""
+    return "  ".join(f"{name}: {t['eager']:7.1f} / {t['graph']:7.1f} / {t['host']:5.1f}"
+                     for name, t in row.items() if isinstance(t, dict) and "host" in t)
+
+
 def calls_table(shapes=CALL_SHAPES, print_fn=print) -> list[dict]:
     """Per shape and kernel: eager µs (``do_bench``: median, L2 flushed by a write before each
     call), CUDA-graph replay µs, and host µs per call (Python issuing the call, the GPU kept busy);
@@ -294,9 +300,7 @@ def calls_table(shapes=CALL_SHAPES, print_fn=print) -> list[dict]:
         row = {"batch": batch, "context": context}
         for name, run in runners.items():
             row[name] = {"eager": gpu_us(run), "graph": graph_us(run), "host": host_us(run)}
-        print_fn(f"{batch:>4} x {context:<6}  " + "  ".join(
-            f"{name}: {t['eager']:7.1f} / {t['graph']:7.1f} / {t['host']:5.1f}" for name, t in row.items()
-            if isinstance(t, dict)))
+        print_fn(f"{batch:>4} x {context:<6}  " + _cost_cells(row))
         ours = row["ours"]
         for peer in ("vLLM FA3", "vLLM Triton"):
             if peer in row:
@@ -338,8 +342,6 @@ def cache_write_calls(num_tokens=(1, 64, 256, 2048), print_fn=print) -> list[dic
         for name, run in runners.items():
             row[name] = {"eager": gpu_us(run), "graph": graph_us(run) if name != "ours checked" else float("nan"),
                          "host": host_us(run)}
-        print_fn(f"reshape_and_cache_flash, {n:>5} tokens  " + "  ".join(
-            f"{name}: {t['eager']:6.1f} / {t['graph']:6.1f} / {t['host']:5.1f}" for name, t in row.items()
-            if isinstance(t, dict)))
+        print_fn(f"reshape_and_cache_flash, {n:>5} tokens  " + _cost_cells(row))
         rows.append(row)
     return rows

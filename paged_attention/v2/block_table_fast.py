@@ -60,8 +60,8 @@ class FastBlockTables(BlockTables):
         self._num_blocks_device = torch.zeros(self.num_kv_cache_groups, self.max_num_reqs, dtype=torch.int32,
                                               device=self._device)
         self._num_blocks_device_source: Optional[torch.Tensor] = None
-        self._launchers: dict[tuple, Launcher] = {}
-        self._views: dict[tuple, object] = {}
+        # Launchers and the views handed back, made once per key (see _once).
+        self._made: dict[tuple, object] = {}
         # The binary search: enough halvings of [0, max_num_reqs], and a power of two covering
         # query_start_loc (computed once: host time per call counts).
         self._search_steps = max(1, self.max_num_reqs.bit_length())
@@ -154,21 +154,22 @@ class FastBlockTables(BlockTables):
         else:
             rows = self.write_rows
             num_write_programs = cdiv(n, rows)
-        launch = self._launcher(("apply", capturing, rows, self.write_block, self.counts_block), lambda: Launcher(
+        launch = self._once(("apply", capturing, rows, self.write_block, self.counts_block), lambda: Launcher(
             _apply_block_table_writes_kernel, ("packed_ptr", "num_write_programs"),
             max_writes=self._max_writes, table_ptrs=self.block_table_ptrs, table_strides=self.block_table_strides,
             counts_dst=self._num_blocks_device, num_counts=num_counts, NUM_GROUPS=self.num_kv_cache_groups,
             WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=capturing))
         launch((num_write_programs + cdiv(num_counts, self.counts_block),), buf, num_write_programs)
 
-    def _launcher(self, key: tuple, make: Callable[[], Launcher]) -> Launcher:
-        """The ``Launcher`` for ``key`` (a kernel's name and the tile attributes it is built with),
-        made by ``make`` the first time: later launches skip Triton's argument binding and this
-        object's fixed arguments are not gathered again (see ``kernels.triton.launch``)."""
-        launcher = self._launchers.get(key)
-        if launcher is None:
-            launcher = self._launchers[key] = make()
-        return launcher
+    def _once(self, key: tuple, make: Callable[[], object]) -> object:
+        """What ``make()`` made for ``key`` the first time. Keys name a kernel's ``Launcher`` with
+        the tile attributes it is built with (later launches skip Triton's argument binding, and
+        this object's fixed arguments are not gathered again: see ``kernels.triton.launch``), or
+        a view handed back (slicing a tensor costs microseconds of host time, every step)."""
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = make()
+        return made
 
     def _packed_write_pool(self, length: int) -> UvaBufferPool:
         pool = self._write_pool
@@ -198,7 +199,7 @@ class FastBlockTables(BlockTables):
         num_reqs, num_reqs_padded = self._check_gather(idx_mapping, num_reqs_padded, check)
         if num_reqs_padded > 0:
             num_blocks = self._counts()
-            launch = self._launcher(("gather", self.gather_rows, self.gather_block_cols), lambda: Launcher(
+            launch = self._once(("gather", self.gather_rows, self.gather_block_cols), lambda: Launcher(
                 _gather_block_tables_fast_kernel, ("idx_mapping", "num_blocks_ptr", "num_reqs", "num_reqs_padded"),
                 src_block_table_ptrs=self.block_table_ptrs, dst_block_table_ptrs=self.input_block_table_ptrs,
                 block_table_strides=self.block_table_strides, num_blocks_stride=self.max_num_reqs,
@@ -215,7 +216,7 @@ class FastBlockTables(BlockTables):
         num_reqs, num_tokens, num_tokens_padded = self._check_slot_mappings(
             query_start_loc, positions, idx_mapping, num_tokens_padded, check)
         has_idx = idx_mapping is not None
-        launch = self._launcher(("slots", has_idx, self.slot_block_tokens), lambda: Launcher(
+        launch = self._once(("slots", has_idx, self.slot_block_tokens), lambda: Launcher(
             _compute_slot_mappings_fast_kernel, ("num_reqs", "num_positions", "idx_mapping", "cu_num_tokens", "pos"),
             max_num_tokens=self.max_num_batched_tokens, max_num_reqs=self.max_num_reqs,
             block_table_ptrs=self.block_table_ptrs if has_idx else self.input_block_table_ptrs,
@@ -246,7 +247,7 @@ class FastBlockTables(BlockTables):
         num_slot_programs = cdiv(self.max_num_batched_tokens, self.slot_block_tokens)
         gather_tiles = cdiv(num_reqs_padded, self.gather_rows)
         key = ("fused", self.slot_block_tokens, self.gather_rows, self.gather_block_cols)
-        launch = self._launcher(key, lambda: Launcher(
+        launch = self._once(key, lambda: Launcher(
             _gather_and_slots_fast_kernel,
             ("idx_mapping", "num_blocks_ptr", "num_reqs", "num_reqs_padded", "num_positions", "cu_num_tokens", "pos",
              "gather_tiles"),
@@ -262,21 +263,13 @@ class FastBlockTables(BlockTables):
                num_reqs_padded, num_tokens, query_start_loc, positions, max(gather_tiles, 1))
         return self._gathered(num_reqs, num_reqs_padded), self._slot_view(num_tokens_padded)
 
-    # The views handed back, made once per size (slicing a tensor costs microseconds of host time,
-    # and a step would otherwise make one per group, every step).
     def _gathered(self, num_reqs: int, num_reqs_padded: int) -> tuple[torch.Tensor, ...]:
         self._num_gathered_reqs = num_reqs
-        views = self._views.get(("tables", num_reqs_padded))
-        if views is None:
-            views = self._views[("tables", num_reqs_padded)] = super()._gathered(num_reqs, num_reqs_padded)
-        return views
+        return self._once(("table views", num_reqs_padded), lambda: super(FastBlockTables, self)._gathered(
+            num_reqs, num_reqs_padded))
 
     def _slot_view(self, num_tokens: int) -> torch.Tensor:
-        view = self._views.get(("slots", num_tokens))
-        if view is None:
-            view = self._views[("slots", num_tokens)] = self.slot_mappings[:, :num_tokens]
-        return view
-
+        return self._once(("slot view", num_tokens), lambda: self.slot_mappings[:, :num_tokens])
 
 def fast_slot_programs(max_num_tokens: int, block_tokens: int) -> list[SlotProgram]:
     """The programs of ``_compute_slot_mappings_fast_kernel``, grid ``(cdiv(max_num_tokens,

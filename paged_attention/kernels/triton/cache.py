@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import KernelUnavailable, args
-from paged_attention.kernels.triton.launch import Launcher, tensor_signature
+from paged_attention.kernels.triton.launch import Launcher, cached_plan, check_planned, tensor_signature
 
 
 @triton.jit
@@ -89,13 +89,8 @@ class CacheWritePlan:
         """Write the tokens; each tensor must match the plan (``ValueError`` if not). The slots are
         not checked again."""
         tensors = (key, value, key_cache, value_cache, slot_mapping)
-        for name, t, planned in zip(("key", "value", "key_cache", "value_cache", "slot_mapping"), tensors,
-                                    self.signature):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tensor_signature(t) != planned:
-                raise ValueError(f"{name} does not match the plan (shape, strides, dtype, device): planned "
-                                 f"{planned}, got {tensor_signature(t)}; make a new CacheWritePlan for it")
+        check_planned("CacheWritePlan", ("key", "value", "key_cache", "value_cache", "slot_mapping"), tensors,
+                      self.signature)
         self._launch(*tensors)
 
     def _launch(self, *tensors: torch.Tensor) -> None:
@@ -134,19 +129,12 @@ def reshape_and_cache_flash(
         CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
                        check_slots=check_slots)._launch(key, value, key_cache, value_cache, slot_mapping)
         return
-    try:
-        key_ = (tuple(map(tensor_signature, (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale))),
-                kv_cache_dtype)
-        plan = _PLANS.get(key_)
-    except (AttributeError, TypeError):      # not tensors, or an unhashable dtype name: the checks say why
-        key_ = plan = None
-    if plan is None:
-        plan = CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-                              check_slots=False)
-        if key_ is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                del _PLANS[next(iter(_PLANS))]
-            _PLANS[key_] = plan
+    plan = cached_plan(
+        _PLANS, _MAX_PLANS,
+        lambda: (tuple(map(tensor_signature, (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale))),
+                 kv_cache_dtype),
+        lambda: CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                               check_slots=False))
     plan._launch(key, value, key_cache, value_cache, slot_mapping)
 
 

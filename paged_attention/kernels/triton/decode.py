@@ -34,7 +34,7 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton.cache import check_triton_dtype
-from paged_attention.kernels.triton.launch import Launcher, tensor_signature
+from paged_attention.kernels.triton.launch import Launcher, cached_plan, check_planned, tensor_signature
 from paged_attention.utils import cdiv, is_int
 
 LOG2E = 1.4426950408889634
@@ -305,12 +305,7 @@ class DecodePlan:
         The ids are not checked again: ``seq_lens`` must stay within the planned ``max_seq_len``
         and the tables within the cache, as they were when planned."""
         tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
-        try:
-            planned = tuple(map(tensor_signature, tensors)) == self.signature
-        except AttributeError:                   # not a tensor
-            planned = False
-        if not planned:
-            self._refuse(tensors)
+        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature, optional=("alibi_slopes",))
         self._launch(*tensors)
 
     def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes) -> None:
@@ -327,22 +322,8 @@ class DecodePlan:
         if self.num_splits > 1:
             self._merge.pinned(self._merge_grid, out, *parts)
 
-    def _refuse(self, tensors: tuple) -> None:
-        names = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
-        for name, t, planned in zip(names, tensors, self.signature):
-            if not isinstance(t, torch.Tensor) and (t is not None or name != "alibi_slopes"):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            got = tensor_signature(t)
-            if got != planned:
-                def show(sig):
-                    return "None" if sig is None else \
-                        f"shape {tuple(sig[0])}, strides {sig[1]}, {sig[2]}, " \
-                        f"{'cpu' if sig[3] < 0 else f'cuda:{sig[3]}'}, " \
-                        f"{'' if sig[4] else 'not '}16-byte aligned"
-                raise ValueError(f"{name} does not match the plan: planned {show(planned)}, got {show(got)}; "
-                                 f"make a new DecodePlan for it")
 
-
+_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
 # Plans made by unchecked calls (check_ids=False), by everything the checks depend on: a call
 # with the same shapes, strides, dtypes and options is checked once. Bounded, oldest dropped.
 _PLANS: dict[tuple, DecodePlan] = {}
@@ -392,17 +373,10 @@ def paged_attention_decode(
                    max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids,
                    launch=launch)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
         return
-    try:
-        key = (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
-                                            alibi_slopes))), scale, max_seq_len, num_splits, launch)
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):      # not tensors, or unhashable options: the checks say why
-        key = plan = None
-    if plan is None:
-        plan = DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
-                          max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                del _PLANS[next(iter(_PLANS))]
-            _PLANS[key] = plan
+    plan = cached_plan(
+        _PLANS, _MAX_PLANS,
+        lambda: (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
+                                              alibi_slopes))), scale, max_seq_len, num_splits, launch),
+        lambda: DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
+                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch))
     plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)

@@ -19,7 +19,7 @@ Where that shortcut does not apply, every call takes Triton's own path: in Trito
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import triton
@@ -48,6 +48,51 @@ def tensor_signature(t: torch.Tensor | None) -> tuple | None:
     its data is 16-byte aligned (what Triton specialises on), not its contents. Two tensors with
     the same signature can take each other's place in a plan."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+
+
+def _describe(sig: tuple | None) -> str:
+    if sig is None:
+        return "None"
+    shape, strides, dtype, device, aligned = sig
+    return (f"shape {tuple(shape)}, strides {strides}, {dtype}, {'cpu' if device < 0 else f'cuda:{device}'}, "
+            f"{'' if aligned else 'not '}16-byte aligned")
+
+
+def check_planned(plan: str, names: Sequence[str], tensors: tuple, planned: tuple,
+                  optional: Sequence[str] = ()) -> None:
+    """Refuse, before any launch, tensors unlike the ones a plan was made for: ``TypeError`` for
+    something that is no tensor (``None`` allowed for the ``optional`` names), ``ValueError``
+    naming the first tensor whose signature differs from ``planned``. The usual case, everything
+    as planned, costs one tuple comparison."""
+    try:
+        if tuple(map(tensor_signature, tensors)) == planned:
+            return
+    except AttributeError:              # not a tensor: said below
+        pass
+    for name, t, sig in zip(names, tensors, planned):
+        if not isinstance(t, torch.Tensor) and (t is not None or name not in optional):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tensor_signature(t) != sig:
+            raise ValueError(f"{name} does not match the plan: planned {_describe(sig)}, got "
+                             f"{_describe(tensor_signature(t))}; make a new {plan} for it")
+
+
+def cached_plan(plans: dict, limit: int, key: Callable[[], tuple], make: Callable[[], Any]) -> Any:
+    """The plan kept in ``plans`` under ``key()``, else ``make()``'s, kept (at most ``limit``
+    plans, the oldest dropped): an unchecked call is checked once per combination of what its
+    checks depend on. Where the key cannot be made or hashed (an argument that is no tensor, an
+    unhashable option), nothing is kept and ``make()``'s checks say what is wrong."""
+    try:
+        k = key()
+        plan = plans.get(k)
+    except (AttributeError, TypeError):
+        return make()
+    if plan is None:
+        plan = make()
+        if len(plans) >= limit:
+            del plans[next(iter(plans))]
+        plans[k] = plan
+    return plan
 
 
 def _active(hook: Any) -> bool:
