@@ -29,7 +29,7 @@ def main() -> int:
     parser.add_argument("--skip-static", action="store_true", help="skip transformers' static cache")
     parser.add_argument("--skip-hf", action="store_true", help="time the engine only")
     parser.add_argument("--block-tables", default="auto", help="the engine's tables: auto, v2, v2-vllm or v1")
-    parser.add_argument("--json", help="write every figure here (notebook 07 plots it)")
+    parser.add_argument("--json", help="write every figure here (notebook 08 plots it)")
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU run in fp32 (checks the script)")
     opts = parser.parse_args()
 

@@ -85,7 +85,7 @@ WRONG = [
     ("05-kv-cache-strides", "def kv_cache_strides(layout, nb, bs, h, d):\n"
      "    t, hd = (h * d, d) if layout == 'NHD' else (d, bs * d)\n"
      "    return (bs * h * d, 2 * bs * h * d, t, hd, 1)", "K/V dimension is outermost"),        # K, V per block
-    ("07-decode-step", "import math\n"
+    ("08-decode-step", "import math\n"
      "def decode_step(n, bs, free):\n"
      "    q, d, p = list(range(len(n))), [], []\n"
      "    while q:\n"
@@ -96,7 +96,7 @@ WRONG = [
      "        else:\n"
      "            free -= need; d.append(i)\n"
      "    return d, p", "upper bound"),                                                       # exact count
-    ("07-decode-step", "import math\n"
+    ("08-decode-step", "import math\n"
      "def decode_step(n, bs, free):\n"
      "    q, d, p = list(range(len(n))), [], []\n"
      "    while q:\n"

@@ -469,7 +469,7 @@ MERGE_PARTITIONS = Lab(
                                        "exp(800) overflows: subtract the maximum first"), public=False)),
 )
 
-# ---- 07: one decode step's bookkeeping -------------------------------------------------------
+# ---- 08: one decode step's bookkeeping -------------------------------------------------------
 
 def _ref_decode_step(num_tokens, block_size, num_free_blocks):
     """The library's FCFS scheduler over the legacy block manager: running requests of these lengths
@@ -514,7 +514,7 @@ def _step_random(fn):
 
 
 DECODE_STEP = Lab(
-    "07-decode-step", "07_end_to_end", "decode_step",
+    "08-decode-step", "08_end_to_end", "decode_step",
     "def decode_step(num_tokens, block_size, num_free_blocks):",
     "The running requests `0, 1, ...` (oldest first) have `num_tokens[i]` tokens each, the newest "
     "not yet in a slot; the others fill `ceil((num_tokens[i] - 1) / block_size)` blocks. As the "
