@@ -9,7 +9,7 @@ import sys
 import time
 
 USAGE = ('usage: python -m paged_attention check | generate "PROMPT" [--max-tokens N] [--temperature T]\n'
-         '       python -m paged_attention lab build OUT_DIR | lab grade SUBMISSION... [--csv FILE]')
+         '       python -m paged_attention lab build OUT_DIR [--force] | lab grade SUBMISSION... [--lab ID] [--csv FILE]')
 
 
 def generate(argv: list[str]) -> int:
@@ -53,11 +53,9 @@ def main(argv: list[str]) -> int:
     if argv[:2] == ["lab", "grade"]:
         from paged_attention.lab.grade import main as grade_main
         return grade_main(argv[2:])
-    if argv[:2] == ["lab", "build"] and len(argv) == 3:
-        from paged_attention.lab.edition import build
-        written = build(argv[2])
-        print(f"student edition: {len(written)} notebooks in {argv[2]}")
-        return 0
+    if argv[:2] == ["lab", "build"]:
+        from paged_attention.lab.edition import main as build_main
+        return build_main(argv[2:])
     print(USAGE, file=sys.stderr)
     return 2
 

@@ -1,32 +1,38 @@
-"""Grading: every submission, every lab, each in a process of its own with a time limit.
+"""Grading a class: every lab a submission holds, each in a contained process, verdicts given here.
 
-A submission is a notebook (its ``# LAB: <id>`` cells are run) or a ``.py`` file (run whole). Each
-(submission, lab) pair runs in a fresh ``python -m paged_attention.lab.grade --one`` process, so a
-crash, an endless loop or megabytes of printing in one cannot stall or change the next; the child
-prints one JSON line, the parent turns whatever happened into a row.
+For each submission (a notebook or a ``.py`` file, all read into memory before anything runs) the
+grader finds its labs (the ``# LAB: <id>`` cells, or the lab functions a .py file defines), builds
+each lab's program by the rule of ``submission.py``, refuses a program that uses the library's own
+implementation, and runs the rest in ``sandbox.run_job`` (a small pool of them at a time). The
+child only calls the function; the checks' expected answers never leave this process, and the
+comparison is ``labs.exact_equal``. The rows (one per student and lab), a summary per lab and the
+CSV are written by this process alone, after every run's processes are gone.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import io
 import json
+import math
 import os
-import subprocess
+import secrets
 import sys
-import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_attention.lab.labs import LABS
+from paged_attention.lab import sandbox
+from paged_attention.lab.labs import LABS, Lab, lab_cases
+from paged_attention.lab.submission import Program, library_use, read_submission, top_level_modules
 
-RESULT = "LAB-RESULT "          # the child's answer line
-OUTPUT_LIMIT = 1 << 20          # bytes of a child's output the parent reads at most
+TIME_LIMIT = 60.0          # seconds per submission and lab
+MEMORY_LIMIT = 1024        # MiB a lab's code may allocate beyond the grader's own imports
+HEAVY = {"numpy", "torch", "triton"}   # imported by the child before its memory limit
 
 
 @dataclass
 class Row:
+    student: str
     submission: str
     lab: str
     passed: int
@@ -38,120 +44,306 @@ class Row:
         return self.passed / self.total if self.total else 0.0
 
 
-def submission_source(path: Path, lab_id: str) -> str:
-    """The code of ``path`` that defines a lab: a notebook's ``# LAB: <lab_id>`` cells, or a whole .py."""
-    if path.suffix == ".py":
-        return path.read_text()
-    if path.suffix == ".ipynb":
-        import nbformat
-        nb = nbformat.read(path, as_version=4)
-        marker = f"# LAB: {lab_id}"
-        return "\n\n".join(c.source for c in nb.cells if c.cell_type == "code" and c.source.lstrip().startswith(marker))
-    raise ValueError(f"a submission is a .ipynb or a .py file, got {path.name}")
+@dataclass
+class Verdict:
+    results: list[tuple[str, bool, str]]     # (check name, passed, message) for each check run
+    reason: str = ""                          # why nothing ran (the whole program failed), or ""
+
+    @property
+    def passed(self) -> int:
+        return sum(ok for _, ok, _ in self.results)
+
+    @property
+    def first_failure(self) -> str:
+        if self.reason:
+            return self.reason
+        return next((msg for _, ok, msg in self.results if not ok), "")
 
 
-def grade_one(path: Path, lab_id: str) -> dict:
-    """In this process: run the submission's code for ``lab_id`` and every check of the lab."""
-    lab = LABS[lab_id]
-    total = len(lab.checks)
-    try:
-        source = submission_source(path, lab_id)
-    except Exception as e:
-        return {"passed": 0, "total": total, "first_failure": f"cannot read the submission: {type(e).__name__}: {e}"}
-    namespace: dict = {"__name__": "submission"}
-    sink = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            exec(compile(source, str(path), "exec"), namespace)
-    except BaseException as e:                  # SyntaxError, an error at import time, SystemExit ...
-        return {"passed": 0, "total": total, "first_failure": f"the code does not run: {type(e).__name__}: {e}"}
-    fn = namespace.get(lab.function)
-    if not callable(fn):
-        return {"passed": 0, "total": total, "first_failure": f"no function named {lab.function!r}"}
-    passed, first = 0, ""
-    for check in lab.checks:
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                check.run(fn)
-            passed += 1
-        except BaseException as e:
-            if not first:
-                first = check.failure(e)
-    return {"passed": passed, "total": total, "first_failure": first[:500]}
+def _device(lab: Lab) -> str:
+    if not lab.on_device:
+        return "cpu"
+    from paged_attention import runtime
+    return runtime.DEVICE.type
 
 
-def grade(submissions: list[str | Path], labs: list[str] | None = None, time_limit: float = 60.0) -> list[Row]:
-    """One row per (submission, lab), each graded in its own process."""
-    lab_ids = list(labs) if labs else list(LABS)
-    unknown = [lab for lab in lab_ids if lab not in LABS]
+def _error_text(error: dict, program: Program, where_name=None) -> str:
+    text = f"{error.get('type')}: {error.get('message')}"
+    line = program.cell_line(error.get("line")) if isinstance(error.get("line"), int) else None
+    if line is not None:
+        text += f" (line {line} of the lab cell)"
+    name = error.get("name")
+    if error.get("type") == "NameError" and isinstance(name, str):
+        elsewhere = where_name(name) if where_name else None
+        text += (f". `{name}` comes from {elsewhere}: run that cell first, or define it in the lab cell"
+                 if elsewhere else
+                 f". The lab cell runs on its own, with the notebook's import statements only: import or "
+                 f"define `{name}` in the lab cell")
+    return text
+
+
+def grade_program(program: Program, *, public_only: bool = False, time_limit: float = TIME_LIMIT,
+                  memory_limit: int = MEMORY_LIMIT, marker: str | None = None, where_name=None) -> Verdict:
+    """Grade one lab's program: static check, a contained run, then the comparison of its answers."""
+    lab = LABS[program.lab_id]
+    checks = [(i, c) for i, c in enumerate(lab.checks) if c.public or not public_only]
+    used = library_use(program.source)
+    if used:
+        return Verdict([], f"uses the library's implementation ({used}): the lab is graded on your own code, "
+                           f"which runs without the paged_attention library")
+    cases = lab_cases(lab.lab_id)
+    job = {"function": lab.function, "arg_types": list(lab.arg_types), "returns_args": list(lab.returns_args),
+           "preimport": sorted(set(lab.needs) | (top_level_modules(program.source) & HEAVY)),
+           "cases": [[_json(args) for args, _ in cases[i]] if (i, c) in checks else [] for i, c in
+                     enumerate(lab.checks)]}
+    run = sandbox.run_job(job, program.source, time_limit, memory_limit << 20, _device(lab),
+                          marker or f"g{secrets.token_hex(4)}")
+    return _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_name)
+
+
+def _json(x) -> str:
+    return json.dumps(x)
+
+
+def _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_name) -> Verdict:
+    msgs = run.messages
+    events = [m.get("event") for m in msgs]
+    answers: dict[tuple, dict] = {}
+    for m in msgs:
+        if m.get("event") == "case":
+            key = (m.get("check"), m.get("case"))
+            if key in answers:
+                return Verdict([], "the answers were tampered with (two answers to one case): 0")
+            answers[key] = m
+    if run.malformed:
+        return Verdict([], "the answer channel carried lines the grader's child did not write (a forged "
+                           "result?): 0")
+    if events.count("ready") != 1 or events.count("done") > 1 or events.count("error") > 1:
+        return Verdict([], "the answers were tampered with (a repeated message): 0")
+    if "error" in events:
+        error = next(m for m in msgs if m.get("event") == "error").get("error") or {}
+        return Verdict([], "the code does not run: " + _error_text(error, program, where_name))
+    if "missing" in events:
+        return Verdict([], f"no function named {lab.function!r} in the lab's code")
+    stopped = None
+    if run.answers_too_long:
+        stopped = "its answers were too long to read"
+    elif run.over_memory:
+        stopped = f"stopped: it used more than {memory_limit} MiB of memory"
+    elif run.timed_out:
+        stopped = f"stopped after {time_limit:g} s (an endless loop?)"
+    elif "done" not in events:
+        code = run.returncode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        tail = run.output_tail.strip().splitlines()[-1:] or [""]
+        stopped = f"the grader's child ended without finishing ({how}){': ' + tail[0][:200] if tail[0] else ''}"
+    results = []
+    for i, check in checks:
+        message = ""
+        for j, (args, want) in enumerate(cases[i]):
+            m = answers.get((i, j))
+            what = lab.describe(args)
+            if m is None:
+                message = f"{check.name}: {what}: {stopped or 'no answer'}"
+            elif m.get("stub"):
+                message = f"{check.name}: the function is still the stub (it raises NotImplementedError)"
+            elif "raised" in m:
+                message = (f"{check.name}: {what}: raised {_error_text(m['raised'] or {}, program, where_name)}. "
+                           f"{check.hint}")
+            elif "not_plain" in m:
+                message = f"{check.name}: {what}: returned {m['not_plain']}"
+            elif not isinstance(m.get("out"), list) or len(m["out"]) != 1 + len(lab.returns_args):
+                message = f"{check.name}: {what}: an answer the grader's child did not write"
+            else:
+                detail = lab.compare(m["out"], want, args)
+                if detail:
+                    message = f"{check.name}: {what}: {detail}. {check.hint}"
+            if message:
+                break
+        results.append((check.name, not message, message[:600]))
+    return Verdict(results)
+
+
+# ---- a class ---------------------------------------------------------------------------------
+
+def student_of(path: Path) -> str:
+    """The student a file belongs to: ``alice_00_overview.ipynb`` -> alice; ``alice/00_overview.ipynb``
+    -> alice; otherwise the file's name without its suffix."""
+    notebooks = {lab.notebook for lab in LABS.values()}
+    stem = path.stem
+    for nb in sorted(notebooks, key=len, reverse=True):
+        if stem == nb:
+            return path.resolve().parent.name
+        if stem.endswith(nb):
+            return stem[:-len(nb)].rstrip("_-. ") or path.resolve().parent.name
+    return stem
+
+
+def read_roster(path: str | Path) -> dict[str, str]:
+    """A roster CSV with the columns ``file`` and ``student``: submission file (name or path) -> student."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames or not {"file", "student"} <= set(reader.fieldnames):
+            raise ValueError(f"the roster {path} needs the columns 'file' and 'student'")
+        return {r["file"].strip(): r["student"].strip() for r in reader if r.get("file") and r.get("student")}
+
+
+def grade(submissions: list[str | Path], labs: list[str] | None = None, time_limit: float = TIME_LIMIT,
+          memory_limit: int = MEMORY_LIMIT, jobs: int = 2, roster: dict[str, str] | None = None,
+          reap_orphans: bool = False) -> list[Row]:
+    """One row per student and lab: the labs each submission holds (only ``labs`` if given: then
+    every submission gets a row for each), graded ``jobs`` at a time. ``reap_orphans`` makes this
+    process a subreaper for the run (the command line does; a library caller may have children of
+    its own)."""
+    wanted = list(labs) if labs else None
+    unknown = [lab for lab in wanted or [] if lab not in LABS]
     if unknown:
         raise KeyError(f"unknown lab {unknown[0]!r}; the labs are {', '.join(LABS)}")
-    rows = []
-    for submission in submissions:
+    if not (time_limit > 0 and math.isfinite(time_limit)) or memory_limit <= 0 or jobs < 1:
+        raise ValueError("time_limit, memory_limit and jobs must be positive and finite")
+    functions = {lab_id: lab.function for lab_id, lab in LABS.items()}
+    tasks, rows = [], []
+    for submission in submissions:                # every file is read before anything runs
         path = Path(submission)
-        for lab_id in lab_ids:
-            total = len(LABS[lab_id].checks)
-            if not path.is_file():
-                rows.append(Row(str(path), lab_id, 0, total, "no such file"))
-                continue
-            rows.append(_run_child(path, lab_id, total, time_limit))
-    return rows
+        student = (roster or {}).get(str(submission)) or (roster or {}).get(path.name) or student_of(path)
+        try:
+            programs = read_submission(path, functions) if path.is_file() else None
+            why = "no such file" if programs is None else ""
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            programs, why = None, f"cannot read the submission: {type(e).__name__}: {e}"
+        if programs is None:
+            rows += [Row(student, str(path), lab, 0, len(LABS[lab].checks), why) for lab in wanted or ["-"]]
+            continue
+        found = [lab for lab in LABS if lab in programs and (wanted is None or lab in wanted)]
+        rows += [Row(student, str(path), lab, 0, len(LABS[lab].checks),
+                     f"no lab cell ({'# LAB: ' + lab}) in this submission") for lab in wanted or [] if lab not in programs]
+        if not found and wanted is None:
+            rows.append(Row(student, str(path), "-", 0, 0, "no lab in this submission (no '# LAB: <id>' cell "
+                                                           "and no lab function)"))
+        tasks += [(student, str(path), programs[lab]) for lab in found]
+    for lab in {p.lab_id for _, _, p in tasks}:
+        lab_cases(lab)                            # the references, once, before the pool starts
+    prefix = f"g{secrets.token_hex(4)}"
+    if reap_orphans:
+        sandbox.become_subreaper()
 
+    def run(task):
+        student, path, program = task
+        v = grade_program(program, time_limit=time_limit, memory_limit=memory_limit, marker=prefix)
+        if reap_orphans:
+            sandbox.reap_orphans()
+        return Row(student, path, program.lab_id, v.passed, len(LABS[program.lab_id].checks), v.first_failure)
 
-def _run_child(path: Path, lab_id: str, total: int, time_limit: float) -> Row:
-    cmd = [sys.executable, "-m", "paged_attention.lab.grade", "--one", str(path), lab_id]
-    env = dict(os.environ, PYTHONHASHSEED="0")
     try:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as child:
-            try:
-                out, _ = child.communicate(timeout=time_limit)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.communicate()
-                return Row(str(path), lab_id, 0, total, f"stopped after {time_limit:g} s (an endless loop?)")
-    except OSError as e:
-        return Row(str(path), lab_id, 0, total, f"could not start the grader: {e}")
-    lines = out[-OUTPUT_LIMIT:].decode(errors="replace").splitlines()
-    answer = next((line[len(RESULT):] for line in reversed(lines) if line.startswith(RESULT)), None)
-    if answer is None:
-        tail = lines[-1] if lines else ""
-        return Row(str(path), lab_id, 0, total, f"the grader process ended without a result (exit "
-                                                 f"{child.returncode}): {tail[:200]}")
-    result = json.loads(answer)
-    return Row(str(path), lab_id, result["passed"], result["total"], result["first_failure"])
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            rows += list(pool.map(run, tasks))
+    finally:
+        sandbox.kill_marked(prefix)               # anything of any run still alive
+        if reap_orphans:
+            sandbox.reap_orphans()
+    for student in sorted(set((roster or {}).values()) - {r.student for r in rows}):
+        rows += [Row(student, "", lab, 0, len(LABS[lab].checks) if lab in LABS else 0, "no submission")
+                 for lab in wanted or ["-"]]
+    return _one_per_student_and_lab(rows)
+
+
+def _one_per_student_and_lab(rows: list[Row]) -> list[Row]:
+    order = {lab: k for k, lab in enumerate(LABS)}
+    best: dict[tuple[str, str], Row] = {}
+    for r in rows:
+        key = (r.student, r.lab)
+        if key not in best or r.score > best[key].score:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r.student, order.get(r.lab, -1), r.submission))
+
+
+def summary(rows: list[Row]) -> list[tuple[str, float, int, int]]:
+    """Per lab: (lab, mean score, students who passed every check, students graded)."""
+    out = []
+    for lab in LABS:
+        scores = [r.score for r in rows if r.lab == lab]
+        if scores:
+            out.append((lab, sum(scores) / len(scores), sum(s == 1.0 for s in scores), len(scores)))
+    return out
+
+
+def cell(value) -> object:
+    """A CSV cell that a spreadsheet shows as text: one that could start a formula gets a quote."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
+def write_csv(rows: list[Row], path: str | Path) -> None:
+    """The rows, then a blank line and one summary line per lab."""
+    tmp = Path(f"{path}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "submission", "lab", "passed", "total", "score", "first_failure"])
+        for r in rows:
+            w.writerow([cell(x) for x in (r.student, r.submission, r.lab, r.passed, r.total, round(r.score, 3),
+                                          r.first_failure)])
+        w.writerow([])
+        for lab, mean, passed, n in summary(rows):
+            w.writerow(["(summary)", "", lab, passed, n, round(mean, 3),
+                        f"mean score {mean:.2f}; {passed} of {n} passed every check"])
+    os.replace(tmp, path)
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+def _positive(kind, upper):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(value) and 0 < value <= upper):
+            raise argparse.ArgumentTypeError(f"must be more than 0 and at most {upper}, got {text}")
+        return value
+    return parse
+
+
+def _lab_id(text: str) -> str:
+    if text not in LABS:
+        raise argparse.ArgumentTypeError(f"unknown lab {text!r}; the labs are {', '.join(LABS)}")
+    return text
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_attention lab grade",
-                                     description="Grade submissions (notebooks or .py files), one row per lab.")
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_attention lab grade",
+        description="Grade submissions (notebooks or .py files): one row per student and lab.")
     parser.add_argument("submissions", nargs="+")
-    parser.add_argument("--lab", action="append", help="grade only this lab (repeatable)")
-    parser.add_argument("--csv", help="also write the rows to this CSV file")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per submission and lab")
+    parser.add_argument("--lab", action="append", type=_lab_id,
+                        help="grade only this lab (repeatable); every submission then gets a row for it")
+    parser.add_argument("--csv", help="also write the rows and a summary per lab to this CSV file")
+    parser.add_argument("--roster", help="a CSV with columns 'file' and 'student' (file name -> student)")
+    parser.add_argument("--time-limit", type=_positive(float, 3600), default=TIME_LIMIT,
+                        help=f"seconds per submission and lab (default {TIME_LIMIT:g})")
+    parser.add_argument("--memory-limit", type=_positive(int, 1 << 20), default=MEMORY_LIMIT,
+                        help=f"MiB a lab's code may allocate (default {MEMORY_LIMIT})")
+    parser.add_argument("--jobs", type=_positive(int, 64), default=min(2, os.cpu_count() or 1),
+                        help="labs graded at the same time (default: 2, or 1 on one core)")
     args = parser.parse_args(argv)
     try:
-        rows = grade(args.submissions, args.lab, args.time_limit)
-    except (KeyError, ValueError) as e:
+        roster = read_roster(args.roster) if args.roster else None
+        if args.csv and Path(args.csv).resolve() in {Path(s).resolve() for s in args.submissions}:
+            raise ValueError(f"--csv {args.csv} is one of the submissions")
+        rows = grade(args.submissions, args.lab, args.time_limit, args.memory_limit, args.jobs, roster,
+                     reap_orphans=True)
+    except (KeyError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    width = max(len(r.submission) for r in rows)
+    width = max([len(r.student) for r in rows] + [7])
     for r in rows:
-        print(f"{r.submission:<{width}}  {r.lab:<26} {r.passed:>2}/{r.total:<2}  {r.first_failure}")
+        print(f"{r.student:<{width}}  {r.lab:<24} {r.passed:>2}/{r.total:<2}  {r.first_failure}")
+    for lab, mean, passed, n in summary(rows):
+        print(f"{'summary':<{width}}  {lab:<24} mean {mean:.2f}, {passed} of {n} passed every check")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["submission", "lab", "passed", "total", "first_failure"])
-            w.writerows([r.submission, r.lab, r.passed, r.total, r.first_failure] for r in rows)
+        write_csv(rows, args.csv)
     return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"] and len(sys.argv) == 4:
-        try:
-            result = grade_one(Path(sys.argv[2]), sys.argv[3])
-        except BaseException:
-            result = {"passed": 0, "total": len(LABS[sys.argv[3]].checks),
-                      "first_failure": "the grader failed: " + traceback.format_exc(limit=1)[-300:]}
-        print(RESULT + json.dumps(result), flush=True)
-    else:
-        sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

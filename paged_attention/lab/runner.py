@@ -1,0 +1,183 @@
+"""The grading child: runs one lab of one submission and reports what the function returned.
+
+This file is run as a script (``python -I -S runner.py``) in a fresh temporary folder, never
+imported by the student's code, and it imports nothing of ``paged_attention``: the student's code
+runs without the library it re-implements. It reads its job (the program, the inputs of every
+case, where to answer) from stdin, then
+
+1. puts the site-packages folders the grader gave it on ``sys.path`` (``-S`` skipped the ``.pth``
+   files, ``-I`` the current folder and every ``PYTHON*`` variable),
+2. imports the heavy libraries the lab needs (numpy, torch, triton), then limits its address space
+   and the size of any file it writes,
+3. runs the program and calls the lab's function on every case's inputs,
+4. sends back each answer as plain JSON (ints, floats, strings, lists, None) on the file
+   descriptor the grader opened, each line carrying the grader's nonce.
+
+It holds no expected value and no verdict: the grader compares the answers in its own process, so
+nothing the submission does in here (patching this module, printing, an object whose ``__eq__``
+is always true) can turn a wrong answer into a right one. The functions ``to_plain``,
+``convert_args`` and ``call_case`` are also imported by the in-notebook ``check`` when it has no
+notebook history to read (a plain Python session).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import linecache
+import os
+import sys
+import traceback
+
+PLAIN_LIMIT = 1_000_000          # list items an answer may hold in all
+LIBRARY = "paged_attention"
+
+
+class NotPlain(TypeError):
+    """An answer that is not plain data (a custom class, a dict, a generator ...)."""
+
+
+def to_plain(x, _budget=None):
+    """``x`` as JSON-ready builtins of exact types: a numpy array or torch tensor becomes a list, a
+    numpy scalar its Python value, an Enum its name, a tuple a list. Anything else (a subclass of
+    int, an object with its own ``__eq__``, a dict) raises ``NotPlain``."""
+    budget = _budget if _budget is not None else [PLAIN_LIMIT]
+    t = type(x)
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t in (list, tuple):
+        budget[0] -= len(x)
+        if budget[0] < 0:
+            raise NotPlain(f"an answer of more than {PLAIN_LIMIT} items")
+        return [to_plain(e, budget) for e in x]
+    mod = t.__module__.split(".")[0]
+    if mod == "numpy":
+        np = sys.modules["numpy"]
+        if isinstance(x, np.ndarray):
+            return to_plain(x.tolist(), budget)
+        if isinstance(x, np.generic):
+            return to_plain(x.item(), budget)
+    if mod == "torch":
+        torch = sys.modules["torch"]
+        if isinstance(x, torch.Tensor):
+            return to_plain(x.detach().cpu().tolist(), budget)
+    if isinstance(x, enum.Enum):
+        return to_plain(x.name, budget)
+    raise NotPlain(f"an object of type {t.__name__}, not plain data (ints, floats, strings, lists)")
+
+
+def convert_args(args: list, arg_types: list, device: str) -> list:
+    """The case's plain inputs as the lab hands them over: lists, numpy arrays or torch tensors."""
+    out = []
+    for value, kind in zip(args, list(arg_types) + [None] * (len(args) - len(arg_types))):
+        if kind is None:
+            out.append(value)
+        elif kind.startswith("np."):
+            import numpy as np
+            out.append(np.array(value, dtype=getattr(np, kind[3:])))
+        elif kind.startswith("torch."):
+            import torch
+            out.append(torch.tensor(value, dtype=getattr(torch, kind[6:]), device=device))
+        else:
+            raise ValueError(f"unknown argument kind {kind!r}")
+    return out
+
+
+def _error(e: BaseException, filename: str) -> dict:
+    """An exception as the grader shows it: type, message and the line of the submission it came
+    from (the deepest frame in the submission's file)."""
+    line = None
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        if frame.f_code.co_filename == filename:
+            line = lineno
+    if isinstance(e, SyntaxError) and e.filename == filename:
+        line = e.lineno
+    name = getattr(e, "name", None) if isinstance(e, NameError) else None
+    return {"type": type(e).__name__, "message": str(e)[:500], "line": line, "name": name}
+
+
+def call_case(fn, args_json: str, arg_types: list, returns_args: list, device: str, filename: str) -> dict:
+    """Call ``fn`` on one case; the answer: ``{"out": [returned, *the arguments it changes]}``,
+    or ``{"stub": True}``, ``{"raised": ...}``, ``{"not_plain": ...}``."""
+    args = convert_args(json.loads(args_json), arg_types, device)
+    try:
+        got = fn(*args)
+    except NotImplementedError:
+        return {"stub": True}
+    except BaseException as e:                      # SystemExit too: it is the function's answer
+        return {"raised": _error(e, filename)}
+    try:
+        return {"out": [to_plain(got)] + [to_plain(args[i]) for i in returns_args]}
+    except NotPlain as e:
+        return {"not_plain": str(e)}
+    except Exception as e:                          # a tensor that cannot be read back, ...
+        return {"raised": _error(e, filename)}
+
+
+class _NoLibrary:
+    """An import hook: ``paged_attention`` cannot be imported by the graded code."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == LIBRARY or name.startswith(LIBRARY + "."):
+            raise ImportError(f"the lab is graded without the {LIBRARY} library (it is what you re-implement)")
+        return None
+
+
+def _limit(memory_bytes: int | None, file_bytes: int) -> None:
+    import resource
+    if memory_bytes is not None:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + memory_bytes, size + memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    answer = os.fdopen(job["result_fd"], "w", buffering=1)
+    nonce = job["nonce"]
+
+    def send(**message):
+        answer.write(json.dumps(dict(message, nonce=nonce)) + "\n")
+        answer.flush()
+
+    sys.path[:0] = job["site_dirs"]
+    sys.meta_path.insert(0, _NoLibrary)
+    for name in job["preimport"]:
+        try:
+            __import__(name)
+        except Exception:
+            pass                                    # the program's own import reports it
+    if "resource" in sys.builtin_module_names or os.name == "posix":
+        _limit(job["memory_bytes"], job["file_bytes"])
+    with open("/proc/self/status") as f:
+        rss = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    send(event="ready", rss=rss)
+
+    filename, program = job["filename"], job["program"]
+    # The program is also a real file (Triton reads a kernel's source through ``inspect``); the
+    # cache entry makes that read return this text even if something rewrites the file.
+    linecache.cache[filename] = (len(program), None, program.splitlines(True), filename)
+    namespace = {"__name__": "__lab__", "__file__": filename, "__builtins__": __builtins__}
+    try:
+        exec(compile(program, filename, "exec"), namespace)
+    except BaseException as e:
+        send(event="error", error=_error(e, filename))
+        send(event="done")
+        os._exit(0)
+    fn = namespace.get(job["function"])
+    if not callable(fn):
+        send(event="missing")
+        send(event="done")
+        os._exit(0)
+    for i, cases in enumerate(job["cases"]):
+        for j, args_json in enumerate(cases):
+            result = call_case(fn, args_json, job["arg_types"], job["returns_args"], job["device"], filename)
+            send(event="case", check=i, case=j, **result)
+    send(event="done")
+    os._exit(0)                                     # no atexit handler of the submission runs
+
+
+if __name__ == "__main__":
+    main()

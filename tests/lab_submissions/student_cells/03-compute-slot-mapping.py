@@ -1,0 +1,4 @@
+# np comes from the notebook's first code cell.
+def compute_slot_mapping(block_table, req_indices, positions, block_size):
+    blocks = block_table[req_indices, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
