@@ -73,18 +73,20 @@ def check(lab_id: str, fn: Callable[..., Any] | None = None, *, time_limit: floa
         saved = _notebook_cells(lab)
 
         def where(name):
-            place = where_defined(saved, name) if saved is not None else None
-            return place or ("an earlier cell of this notebook (after a restart, run the cells above "
-                             "this lab first)" if saved is None else None)
+            if saved is not None:
+                return where_defined(saved, name)
+            ran = where_defined(history, name)           # no saved notebook found: what this kernel ran
+            return ran and ("a cell this kernel ran", ran[1])
     else:
         import inspect
-        try:                        # a script: the module that defines the function is the program
-            source = inspect.getsource(inspect.getmodule(fn)) if fn is not None else None
+        module = inspect.getmodule(fn) if fn is not None else None
+        try:                        # a script that defines the function: the module is the program
+            source = inspect.getsource(module) if getattr(module, lab.function, None) is fn else None
         except (OSError, TypeError):
             source = None
         if source is None:
             return _check_in_process(lab, fn)
-        program, where = Program(lab_id, source, 0, ()), None
+        program, where = Program(lab_id, source, 0, (), "the file"), None
     verdict = grade_program(program, public_only=True, time_limit=time_limit, where_name=where)
     if verdict.reason:
         print(f"not yet: {verdict.reason}")

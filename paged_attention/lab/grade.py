@@ -71,14 +71,18 @@ def _error_text(error: dict, program: Program, where_name=None) -> str:
     text = f"{error.get('type')}: {error.get('message')}"
     line = program.cell_line(error.get("line")) if isinstance(error.get("line"), int) else None
     if line is not None:
-        text += f" (line {line} of the lab cell)"
+        text += f" (line {line} of {program.where})"
     name = error.get("name")
     if error.get("type") == "NameError" and isinstance(name, str):
-        elsewhere = where_name(name) if where_name else None
-        text += (f". `{name}` comes from {elsewhere}: run that cell first, or define it in the lab cell"
-                 if elsewhere else
-                 f". The lab cell runs on its own, with the notebook's import statements only: import or "
-                 f"define `{name}` in the lab cell")
+        found = where_name(name) if where_name else None
+        if found and found[1]:
+            text += f". `{name}` is imported in {found[0]}: run that cell first (after a restart, run the cells above)"
+        elif found:
+            text += (f". `{name}` is defined in {found[0]}, but the grader runs only the lab cell (with the "
+                     f"notebook's import lines): move the definition into the lab cell")
+        else:
+            text += (f". The lab cell runs on its own, with the notebook's import lines only: import or define "
+                     f"`{name}` in the lab cell")
     return text
 
 
@@ -118,7 +122,7 @@ def _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_n
     if run.malformed:
         return Verdict([], "the answer channel carried lines the grader's child did not write (a forged "
                            "result?): 0")
-    if events.count("ready") != 1 or events.count("done") > 1 or events.count("error") > 1:
+    if any(events.count(e) > 1 for e in ("ready", "done", "error", "missing")):
         return Verdict([], "the answers were tampered with (a repeated message): 0")
     if "error" in events:
         error = next(m for m in msgs if m.get("event") == "error").get("error") or {}
@@ -144,7 +148,7 @@ def _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_n
             m = answers.get((i, j))
             what = lab.describe(args)
             if m is None:
-                message = f"{check.name}: {what}: {stopped or 'no answer'}"
+                message = f"{check.name}: {what}: {stopped or 'no answer to this case (was the grader tampered with?)'}"
             elif m.get("stub"):
                 message = f"{check.name}: the function is still the stub (it raises NotImplementedError)"
             elif "raised" in m:

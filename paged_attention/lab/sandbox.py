@@ -134,17 +134,15 @@ def kill_marked(marker: str) -> int:
 def reap_orphans() -> int:
     """Kill and reap the processes handed to this (subreaper) process that it did not start."""
     me, n = os.getpid(), 0
-    for pid in _proc_pids():
-        st = _stat(pid)
-        with _lock:
-            ours = pid in _children
-        if st and st[0] == me and not ours:
-            _kill(pid)
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-            n += 1
+    with _lock:                 # no runner is being started meanwhile (it is ours before it is known)
+        orphans = [pid for pid in _proc_pids() if pid not in _children and (_stat(pid) or (0,))[0] == me]
+    for pid in orphans:
+        _kill(pid)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        n += 1
     return n
 
 
@@ -177,18 +175,18 @@ def run_job(job: dict, program: str, time_limit: float, memory_bytes: int, devic
                memory_bytes=memory_bytes if device == "cpu" else None)
     start = time.monotonic()
     try:
-        child = subprocess.Popen([sys.executable, "-I", "-S", str(RUNNER)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir,
-                                 env=child_env(marker, workdir, device), pass_fds=(write_answers,),
-                                 start_new_session=True)
+        with _lock:
+            child = subprocess.Popen([sys.executable, "-I", "-S", str(RUNNER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir,
+                                     env=child_env(marker, workdir, device), pass_fds=(write_answers,),
+                                     start_new_session=True)
+            _children.add(child.pid)
     except OSError as e:
         os.close(read_answers)
         os.close(write_answers)
         shutil.rmtree(workdir, ignore_errors=True)
         result.output_tail = f"could not start the grader's child: {e}"
         return result
-    with _lock:
-        _children.add(child.pid)
     os.close(write_answers)
     threading.Thread(target=_feed, args=(child.stdin, json.dumps(job).encode()), daemon=True).start()
     answers, tail = bytearray(), deque()

@@ -31,6 +31,7 @@ class Program:
     source: str
     header_lines: int           # lines before the lab cell's first line
     imports: tuple[str, ...]    # the import statements taken from other cells
+    where: str = "the lab cell"  # what a line number counts in, for messages
 
     def cell_line(self, line: int | None) -> int | None:
         """A line of ``source`` as a line of the lab cell (None if it is in the imports)."""
@@ -147,7 +148,7 @@ def read_submission(path: Path, functions: dict[str, str]) -> dict[str, Program]
         return notebook_programs(notebook_cells(path))
     if path.suffix == ".py":
         text = path.read_text(encoding="utf-8")
-        return {lab: Program(lab, text, 0, ()) for lab in py_labs(text, functions)}
+        return {lab: Program(lab, text, 0, (), "the file") for lab in py_labs(text, functions)}
     raise ValueError(f"a submission is a .ipynb or a .py file, got {path.name}")
 
 
@@ -190,25 +191,27 @@ def top_level_modules(source: str) -> set[str]:
     return out
 
 
-def where_defined(cells: list[str], name: str) -> str | None:
-    """Which code cell of a notebook binds ``name`` at its top level (an import, a def or an
-    assignment), as a phrase for a student: 'code cell 3 (`import numpy as np`)'."""
+def where_defined(cells: list[str], name: str) -> tuple[str, bool] | None:
+    """Which code cell of a notebook binds ``name`` at its top level, as a phrase for a student
+    ('code cell 3 (`import numpy as np`)'), and whether it is an import statement (which the grader
+    carries over) rather than a definition (which it does not)."""
     for k, src in enumerate(cells, start=1):
         if lab_of(src):
             continue
+        text = without_magics(src)
         try:
-            tree = ast.parse(without_magics(src))
+            tree = ast.parse(text)
         except SyntaxError:
             continue
         for node in tree.body:
-            bound = set()
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound, is_import = set(), isinstance(node, (ast.Import, ast.ImportFrom))
+            if is_import:
                 bound = {_bound_name(node, a) for a in node.names}
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 bound = {node.name}
             elif isinstance(node, ast.Assign):
                 bound = {t.id for t in node.targets if isinstance(t, ast.Name)}
             if name in bound:
-                first = ast.get_source_segment(without_magics(src), node) or ""
-                return f"code cell {k} (`{first.splitlines()[0][:70]}`)"
+                first = (ast.get_source_segment(text, node) or "").splitlines()[0][:70]
+                return f"code cell {k} (`{first}`)", is_import
     return None

@@ -1,3 +1,4 @@
+# ruff: noqa: F821  (a lab cell: the name comes from the notebook's import cell)
 # torch comes from the notebook's first code cell; the kernel lives in this cell.
 import triton
 import triton.language as tl

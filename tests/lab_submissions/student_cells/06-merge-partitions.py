@@ -1,3 +1,4 @@
+# ruff: noqa: F821  (a lab cell: the name comes from the notebook's import cell)
 # math comes from the notebook's first code cell.
 def merge_partitions(max_logits, exp_sums, outputs):
     top = max(max_logits)
