@@ -258,7 +258,7 @@ def _landlock() -> bool:
 @pytest.fixture(scope="module")
 def hostile_run(tmp_path_factory, student_edition):
     """Every hostile submission of tests/lab_submissions/hostile graded in one run with correct
-    ones before and after it (lab 00, a 5 s limit, 512 MiB)."""
+    ones before and after it (labs 00 and 02, a 5 s limit, 512 MiB)."""
     root = tmp_path_factory.mktemp("hostile")
     subs, teacher = root / "submissions", root / "teacher"
     subs.mkdir()
@@ -276,8 +276,9 @@ def hostile_run(tmp_path_factory, student_edition):
     notebook = _fill_student_edition(student_edition, subs, "nina")[0]       # 00_overview
     files = [good[0], *hostile, formula, notebook, good[1]]
     before = {p: p.read_bytes() for p in files}
-    code, out, maxrss = _grade_cli([str(f) for f in files] + ["--lab", "00-slot-mapping", "--csv", "grades.csv",
-                                                              "--time-limit", "5", "--memory-limit", "512"], teacher)
+    code, out, maxrss = _grade_cli([str(f) for f in files] + ["--lab", "00-slot-mapping", "--lab", "02-can-allocate",
+                                                              "--csv", "grades.csv", "--time-limit", "5",
+                                                              "--memory-limit", "512"], teacher)
     assert code == 0, out
     csv_text = (teacher / "grades.csv").read_text()
     alive = _processes_with("lab-hostile-lingering-7f3a")
@@ -313,8 +314,9 @@ def test_correct_rows_next_to_hostile_ones_are_untouched(hostile_run):
     ("library_importlib", "uses the library's implementation"),
     ("always_equal", "not plain data"),
     ("patched_checks", "no answer"),
-    ("forged_print", "expected"),
+    ("forged_print", "ended without finishing"),
     ("forged_channel", "did not write"),
+    ("malformed", "ended without finishing"),
     ("allocates", "MemoryError"),
     ("endless", "stopped after 5 s"),
     ("crash", "ended without finishing"),
@@ -322,6 +324,11 @@ def test_correct_rows_next_to_hostile_ones_are_untouched(hostile_run):
 def test_cheats_and_crashes_score_zero_with_a_reason(hostile_run, student, reason):
     passed, why = _score(hostile_run, student)
     assert passed == 0 and reason in why, (student, why)
+
+
+def test_an_object_equal_to_everything_fails(hostile_run):
+    row = hostile_run["rows"][("always_equal", "02-can-allocate")]
+    assert row["passed"] == "0" and "an object of type Anything, not plain data" in row["first_failure"]
 
 
 def test_nothing_is_left_behind(hostile_run):

@@ -1,8 +1,7 @@
-# Prints the old grader's result line (a perfect score), well formed and malformed.
-print('LAB-RESULT {"passed": 4, "total": 4, "first_failure": ""}', flush=True)
-print('LAB-RESULT {"passed": 4, "total": ', flush=True)
+# Prints the old grader's result line (a perfect score) as the last line, and stops there.
+import os
 
 
 def slot_mapping(block_table, seq_lens, block_size):
-    print('LAB-RESULT {"passed": 4, "total": 4, "first_failure": ""}', flush=True)
-    return []
+    os.write(1, b'LAB-RESULT {"passed": 4, "total": 4, "first_failure": ""}\n')
+    os._exit(0)
