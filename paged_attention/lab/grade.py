@@ -171,9 +171,9 @@ def _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_n
 # ---- a class ---------------------------------------------------------------------------------
 
 def student_of(path: Path) -> str:
-    """The student a file belongs to: ``alice_00_overview.ipynb`` -> alice; ``alice/00_overview.ipynb``
-    -> alice; otherwise the file's name without its suffix."""
-    notebooks = {lab.notebook for lab in LABS.values()}
+    """The student a file belongs to: ``alice_00_overview.ipynb`` and ``alice_00-slot-mapping.py`` ->
+    alice; ``alice/00_overview.ipynb`` -> alice; otherwise the file's name without its suffix."""
+    notebooks = {lab.notebook for lab in LABS.values()} | set(LABS)
     stem = path.stem
     for nb in sorted(notebooks, key=len, reverse=True):
         if stem == nb:

@@ -11,7 +11,8 @@ handed to it; only then is the folder removed.
 
 Memory: on the CPU the runner limits its own address space (RLIMIT_AS) after its imports; a run on
 a GPU cannot (CUDA reserves far more address space than it uses), so there the parent watches the
-resident memory of the run's session and kills it past the limit. Linux only (``/proc``).
+resident memory of the run's session and kills it past the limit (plus 2 GiB for CUDA's context
+and Triton's compiler). Linux only (``/proc``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ OUTPUT_TAIL = 4096              # bytes of a run's output kept for its row
 ANSWER_LIMIT = 32 << 20         # bytes of answers read at most
 FILE_LIMIT = 64 << 20           # the largest file a run may write
 PR_SET_CHILD_SUBREAPER = 36
+CUDA_HEADROOM = 2 << 30         # on a GPU, what CUDA's context and Triton's compiler add to a run
 _lock = threading.Lock()
 _children: set[int] = set()     # pids of runners alive now (never treated as orphans)
 
@@ -229,7 +231,7 @@ def run_job(job: dict, program: str, time_limit: float, memory_bytes: int, devic
                 base_rss = _first_rss(answers, nonce)
             if device != "cpu" and now >= next_rss:     # no RLIMIT_AS with CUDA: watch the session
                 next_rss = now + 0.5
-                if _session_rss(child.pid) > (base_rss or 0) + memory_bytes:
+                if _session_rss(child.pid) > (base_rss or 0) + memory_bytes + CUDA_HEADROOM:
                     result.over_memory = True
                     break
     finally:
