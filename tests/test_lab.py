@@ -231,12 +231,13 @@ def class_run(tmp_path_factory, request):
             "seconds": time.perf_counter() - start}
 
 
-def test_correct_notebooks_score_everything(class_run):
-    """Every lab, written in the student edition as a student would (np, math and torch from the
-    notebook's own import cells, the Triton kernel in the lab cell), scores 100 %."""
-    for lab in LABS:
-        row = class_run["rows"][("alice", lab)]
-        assert row["passed"] == row["total"] and row["first_failure"] == "", row
+@pytest.mark.parametrize("lab", list(LABS))
+def test_a_correct_notebook_scores_everything(class_run, lab):
+    """The lab, written in the student edition as a student would (np, math and torch from the
+    notebook's own import cells, the Triton kernel in the lab cell, lab 08's lists sorted), scores
+    100 %: on a GPU machine lab 04 runs compiled, on the GPU."""
+    row = class_run["rows"][("alice", lab)]
+    assert row["passed"] == row["total"] and row["first_failure"] == "", row
 
 
 def test_stubs_score_nothing(class_run):

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from paged_attention.lab.labs import LABS, Check, Lab, LabCheckFailed
+from paged_attention.lab.labs import LABS, Check, Lab
 
-__all__ = ["LABS", "Check", "Lab", "LabCheckFailed", "check"]
+__all__ = ["LABS", "Check", "Lab", "check"]
 
 
 def _history() -> list[str] | None:

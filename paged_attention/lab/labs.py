@@ -14,16 +14,12 @@ import functools
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 Case = tuple[list, Any]          # (the function's arguments, the expected answer), plain data
-
-
-class LabCheckFailed(AssertionError):
-    """A check's verdict: the answer was wrong; the message says what and which idea is missing."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,6 @@ class Lab:
     imports: tuple[str, ...] = ()        # import lines of the stub (what the function needs)
     needs: tuple[str, ...] = ()          # libraries the child imports before the memory limit
     on_device: bool = False              # tensors on the lab machine's device (a GPU if there is one)
-    extra: dict = field(default_factory=dict)
 
     @property
     def stub(self) -> str:
