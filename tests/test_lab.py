@@ -572,3 +572,8 @@ def test_only_the_labs_a_submission_holds_are_graded(tmp_path):
     assert [(r.lab, r.passed) for r in grade([sub])] == [("02-can-allocate", 5)]
     (empty,) = grade([tmp_path / "gus.py"], ["00-slot-mapping"])
     assert empty.passed == 0 and "no lab cell" in empty.first_failure
+    (tmp_path / "hal.ipynb").write_text("not json")
+    (tmp_path / "ivy.py").write_text("x = 1\n")
+    rows = grade([tmp_path / "hal.ipynb", tmp_path / "ivy.py"])
+    assert [(r.student, r.lab, r.total) for r in rows] == [("hal", "-", 0), ("ivy", "-", 0)]
+    assert "cannot read the submission" in rows[0].first_failure and "no lab" in rows[1].first_failure

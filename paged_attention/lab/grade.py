@@ -216,7 +216,8 @@ def grade(submissions: list[str | Path], labs: list[str] | None = None, time_lim
         except (OSError, ValueError, UnicodeDecodeError) as e:
             programs, why = None, f"cannot read the submission: {type(e).__name__}: {e}"
         if programs is None:
-            rows += [Row(student, str(path), lab, 0, len(LABS[lab].checks), why) for lab in wanted or ["-"]]
+            rows += [Row(student, str(path), lab, 0, len(LABS[lab].checks) if lab in LABS else 0, why)
+                     for lab in wanted or ["-"]]
             continue
         found = [lab for lab in LABS if lab in programs and (wanted is None or lab in wanted)]
         rows += [Row(student, str(path), lab, 0, len(LABS[lab].checks),
@@ -345,7 +346,11 @@ def main(argv: list[str]) -> int:
     for lab, mean, passed, n in summary(rows):
         print(f"{'summary':<{width}}  {lab:<24} mean {mean:.2f}, {passed} of {n} passed every check")
     if args.csv:
-        write_csv(rows, args.csv)
+        try:
+            write_csv(rows, args.csv)
+        except OSError as e:
+            print(f"error: cannot write {args.csv}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
