@@ -315,6 +315,16 @@ def _lab_id(text: str) -> str:
     return text
 
 
+def _remove_planted(before: set[str]) -> None:
+    """Python files that appeared in this folder while grading (only possible where the kernel has
+    no Landlock) would be imported by the next ``python -m`` run here: remove them, and say so."""
+    for name in sorted(set(os.listdir(".")) - before):
+        if name.endswith((".py", ".pth")) and os.path.isfile(name):
+            os.remove(name)
+            print(f"warning: a submission wrote {name} into this folder during grading; removed it",
+                  file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m paged_attention lab grade",
@@ -335,11 +345,13 @@ def main(argv: list[str]) -> int:
         roster = read_roster(args.roster) if args.roster else None
         if args.csv and Path(args.csv).resolve() in {Path(s).resolve() for s in args.submissions}:
             raise ValueError(f"--csv {args.csv} is one of the submissions")
+        before = set(os.listdir("."))
         rows = grade(args.submissions, args.lab, args.time_limit, args.memory_limit, args.jobs, roster,
                      reap_orphans=True)
     except (KeyError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _remove_planted(before)
     width = max([len(r.student) for r in rows] + [7])
     for r in rows:
         print(f"{r.student:<{width}}  {r.lab:<24} {r.passed:>2}/{r.total:<2}  {r.first_failure}")
