@@ -18,6 +18,7 @@ Every step's timings go to ``step_stats``, its ``StepRecord`` to ``history``.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.engine.tables import make_step_tables
 from paged_attention.kernels import reference
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
-from paged_attention.legacy.records import ABORTED, IGNORED, StepRecord
+from paged_attention.legacy.records import ABORTED, IGNORED, WAITED, StepRecord
 from paged_attention.legacy.scheduler import FcfsScheduler
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.model import ForwardBatch, LlamaForCausalLM, allocate_kv_caches
@@ -39,6 +40,25 @@ from paged_attention.utils import PAD_SLOT_ID, cdiv
 
 # How the scheduler's end of a sequence reads as a finish reason (vLLM's names).
 _END_REASONS = {IGNORED: "length", ABORTED: "abort"}
+
+
+class SchedulerStalled(ValueError, RuntimeError):
+    """A step scheduled nothing, moved nothing and ended nothing while requests were waiting:
+    the next step would be the same, and so on forever. The engine drops every request (its
+    blocks freed) and raises this instead of looping."""
+
+
+def _check_progress(record: StepRecord, scheduler: FcfsScheduler) -> None:
+    """Raise ``SchedulerStalled`` for a step that leaves the scheduler exactly as it found it
+    (nothing scheduled, no block moved, no event but "waited") while requests remain."""
+    if (record.scheduled_seq_groups or record.blocks_to_swap_in or record.blocks_to_swap_out
+            or record.blocks_to_copy or any(e.kind != WAITED for e in record.events)
+            or not scheduler.has_unfinished_seqs()):
+        return
+    why = "; ".join(f"{e.request_id}: {e.detail}" for e in record.events) or "no reason given"
+    raise SchedulerStalled(f"step {record.step} scheduled nothing while {len(record.waiting)} requests wait and "
+                           f"{len(record.swapped)} are swapped out, and the next would do the same ({why}); "
+                           f"every request was dropped")
 
 
 @dataclass
@@ -140,22 +160,46 @@ class LLMEngine:
                              f"but the pool can never give one request more than {usable} "
                              f"({mgr.num_total_gpu_blocks} blocks, {mgr.watermark_blocks} kept as the watermark)")
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Typed errors for a request the engine could not run to its end; nothing changes.
+        Returns the checked copy of ``params`` that the request keeps.
+
+        Besides the prompt, the params are checked again (a field may have been changed since
+        they were made), and the request must fit the pool alone at its longest: the tokens in
+        the cache just before its last one is sampled. vLLM admits a request that outgrows the
+        pool and, once it holds every block, preempts it and drops it, cut short; here it is
+        refused before anything runs, so that every request accepted runs to its end.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)           # a copy, checked again by its __post_init__
+        self.check_prompt(prompt_token_ids)
+        n = len(prompt_token_ids)
+        longest = min(n + params.max_tokens, self.max_model_len) - 1
+        mgr = self.block_manager
+        usable = mgr.num_total_gpu_blocks - mgr.watermark_blocks
+        if cdiv(longest, self.block_size) > usable:
+            raise ValueError(f"the request may hold {longest} tokens in the cache ({n} prompt tokens, max_tokens="
+                             f"{params.max_tokens}, max_model_len={self.max_model_len}): "
+                             f"{cdiv(longest, self.block_size)} blocks of {self.block_size}, but the pool can never "
+                             f"give one request more than {usable}; lower max_tokens or give the pool more blocks")
+        return params
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None) -> None:
         """Queue a request (checked first: a refused request leaves the engine as it was)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
-        self.check_prompt(prompt_token_ids)
+        params = self.check_request(prompt_token_ids, params)
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), self.block_size)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        # A seeded request draws from its own generator; the others from torch's global one.
         generator = None
-        if not params.greedy:
+        if not params.greedy and params.seed is not None:
             generator = torch.Generator(self.model.device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            generator.manual_seed(params.seed)
         self.scheduler.add_seq_group(SequenceGroup(request_id, [seq], arrival_time=float(len(self.requests))))
         self._request_of_seq[seq.seq_id] = request_id
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params, seq,
@@ -172,6 +216,7 @@ class LLMEngine:
             record = self.scheduler.schedule()
             t1 = time.perf_counter()
             try:
+                _check_progress(record, self.scheduler)
                 return self._run(record, t0, t1)
             except BaseException:
                 self.abort_all("the step failed")
