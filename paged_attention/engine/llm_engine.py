@@ -165,10 +165,12 @@ class LLMEngine:
         Returns the checked copy of ``params`` that the request keeps.
 
         Besides the prompt, the params are checked again (a field may have been changed since
-        they were made), and the request must fit the pool alone at its longest: the tokens in
-        the cache just before its last one is sampled. vLLM admits a request that outgrows the
-        pool and, once it holds every block, preempts it and drops it, cut short; here it is
-        refused before anything runs, so that every request accepted runs to its end.
+        they were made), and the request must be able to run to its end alone in the pool: be
+        admitted, with the watermark to spare, at its longest (the tokens cached when its last
+        one is sampled), which a preemption by recomputation may ask of it. vLLM admits a
+        request that outgrows the pool and, once it holds every block, preempts it and drops it,
+        cut short; here it is refused before anything runs, so that every request accepted runs
+        to its end.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -177,12 +179,13 @@ class LLMEngine:
         n = len(prompt_token_ids)
         longest = min(n + params.max_tokens, self.max_model_len) - 1
         mgr = self.block_manager
-        usable = mgr.num_total_gpu_blocks - mgr.watermark_blocks
-        if cdiv(longest, self.block_size) > usable:
+        need = cdiv(longest, self.block_size) + mgr.watermark_blocks
+        if need > mgr.num_total_gpu_blocks:
             raise ValueError(f"the request may hold {longest} tokens in the cache ({n} prompt tokens, max_tokens="
-                             f"{params.max_tokens}, max_model_len={self.max_model_len}): "
-                             f"{cdiv(longest, self.block_size)} blocks of {self.block_size}, but the pool can never "
-                             f"give one request more than {usable}; lower max_tokens or give the pool more blocks")
+                             f"{params.max_tokens}, max_model_len={self.max_model_len}): running to its end alone "
+                             f"takes {need} blocks of {self.block_size} (the watermark of {mgr.watermark_blocks} "
+                             f"included), but the pool has {mgr.num_total_gpu_blocks}; lower max_tokens or give "
+                             f"the pool more blocks")
         return params
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
