@@ -68,9 +68,10 @@ class CacheWritePlan:
         check_triton_dtype(key)
         args.unit_last_stride(key=key, value=value)
         self.signature = tuple(map(tensor_signature, (key, value, key_cache, value_cache, slot_mapping)))
-        # How far apart the two caches must start for their bytes not to meet (same shape and
-        # strides: the plan's), and the gaps between overlapping spans already found apart.
+        # The bytes a cache and an input span (their shapes and strides are the plan's), and the
+        # gaps between two caches whose spans meet but were found to share no element.
         self._cache_bytes = max(args.byte_range(key_cache)[1] - key_cache.data_ptr(), 1)
+        self._input_bytes = max(args.byte_range(t)[1] - t.data_ptr() for t in (key, value))
         self._gaps_apart: set[int] = set()
         num_blocks, block_size, num_heads, head_size = key_cache.shape
         self.num_tokens = num_tokens = slot_mapping.size(0)
@@ -100,14 +101,20 @@ class CacheWritePlan:
 
     def _check_apart(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor) -> None:
-        """The caches of a run must not share memory (the same tensor as both would have the
-        values overwrite the keys): the plan's signatures fix shapes and strides, not where the
-        tensors are. Caches whose bytes lie apart, the usual case, cost two pointer reads."""
-        gap = value_cache.data_ptr() - key_cache.data_ptr()
-        if not -self._cache_bytes < gap < self._cache_bytes or gap in self._gaps_apart:
+        """The caches of a run must share memory with nothing else passed (the same tensor as
+        both would have the values overwrite the keys): the plan's signatures fix shapes and
+        strides, not where the tensors are. Where every span lies apart, the usual case, this
+        costs four pointer reads."""
+        kc, vc, k, v = key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr()
+        cb, ib = self._cache_bytes, self._input_bytes
+        inputs_apart = not (kc - ib < k < kc + cb or vc - ib < k < vc + cb
+                            or kc - ib < v < kc + cb or vc - ib < v < vc + cb)
+        gap = vc - kc
+        if inputs_apart and (not -cb < gap < cb or gap in self._gaps_apart):
             return
         args.no_shared_memory({"key_cache": key_cache, "value_cache": value_cache}, {"key": key, "value": value})
-        self._gaps_apart.add(gap)             # same strides, same gap: apart again next time
+        if inputs_apart:
+            self._gaps_apart.add(gap)         # same strides, same gap: apart again next time
 
     def _launch(self, *tensors: torch.Tensor) -> None:
         if self.num_tokens:
