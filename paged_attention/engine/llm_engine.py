@@ -32,7 +32,7 @@ from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.engine.tables import make_step_tables
 from paged_attention.kernels import reference
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
-from paged_attention.legacy.records import ABORTED, IGNORED, WAITED, StepRecord
+from paged_attention.legacy.records import ABORTED, IGNORED, StepRecord
 from paged_attention.legacy.scheduler import FcfsScheduler
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.model import ForwardBatch, LlamaForCausalLM, allocate_kv_caches
@@ -40,25 +40,6 @@ from paged_attention.utils import PAD_SLOT_ID, cdiv
 
 # How the scheduler's end of a sequence reads as a finish reason (vLLM's names).
 _END_REASONS = {IGNORED: "length", ABORTED: "abort"}
-
-
-class SchedulerStalled(ValueError, RuntimeError):
-    """A step scheduled nothing, moved nothing and ended nothing while requests were waiting:
-    the next step would be the same, and so on forever. The engine drops every request (its
-    blocks freed) and raises this instead of looping."""
-
-
-def _check_progress(record: StepRecord, scheduler: FcfsScheduler) -> None:
-    """Raise ``SchedulerStalled`` for a step that leaves the scheduler exactly as it found it
-    (nothing scheduled, no block moved, no event but "waited") while requests remain."""
-    if (record.scheduled_seq_groups or record.blocks_to_swap_in or record.blocks_to_swap_out
-            or record.blocks_to_copy or any(e.kind != WAITED for e in record.events)
-            or not scheduler.has_unfinished_seqs()):
-        return
-    why = "; ".join(f"{e.request_id}: {e.detail}" for e in record.events) or "no reason given"
-    raise SchedulerStalled(f"step {record.step} scheduled nothing while {len(record.waiting)} requests wait and "
-                           f"{len(record.swapped)} are swapped out, and the next would do the same ({why}); "
-                           f"every request was dropped")
 
 
 @dataclass
@@ -219,7 +200,6 @@ class LLMEngine:
             record = self.scheduler.schedule()
             t1 = time.perf_counter()
             try:
-                _check_progress(record, self.scheduler)
                 return self._run(record, t0, t1)
             except BaseException:
                 self.abort_all("the step failed")
