@@ -74,10 +74,9 @@ def snapshot(llm: LLM) -> dict:
     return dict(
         steps=len(eng.history), stats=len(eng.step_stats), now=sched.now, groups=list(sched.groups),
         queues=(list(sched.waiting), list(sched.running), list(sched.swapped), list(sched.done_ids)),
-        requests=list(eng.requests), rows=set(eng._with_rows),
+        requests=list(eng.requests), next_request=repr(llm._request_counter),
         free=(mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
         tables={s: list(t.physical_block_ids) for s, t in mgr.block_tables.items()},
-        next_ids=(repr(eng._seq_ids), repr(llm._request_counter)),
         caches=[t.clone() for layer in eng.kv_caches + eng.cpu_kv_caches for t in layer],
     )
 
