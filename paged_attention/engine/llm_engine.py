@@ -18,6 +18,7 @@ Every step's timings go to ``step_stats``, its ``StepRecord`` to ``history``.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -140,22 +141,49 @@ class LLMEngine:
                              f"but the pool can never give one request more than {usable} "
                              f"({mgr.num_total_gpu_blocks} blocks, {mgr.watermark_blocks} kept as the watermark)")
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Typed errors for a request the engine could not run to its end; nothing changes.
+        Returns the checked copy of ``params`` that the request keeps.
+
+        Besides the prompt, the params are checked again (a field may have been changed since
+        they were made), and the request must be able to run to its end alone in the pool: be
+        admitted, with the watermark to spare, at its longest (the tokens cached when its last
+        one is sampled), which a preemption by recomputation may ask of it. vLLM admits a
+        request that outgrows the pool and, once it holds every block, preempts it and drops it,
+        cut short; here it is refused before anything runs, so that every request accepted runs
+        to its end.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)           # a copy, checked again by its __post_init__
+        self.check_prompt(prompt_token_ids)
+        n = len(prompt_token_ids)
+        longest = min(n + params.max_tokens, self.max_model_len) - 1
+        mgr = self.block_manager
+        need = cdiv(longest, self.block_size) + mgr.watermark_blocks
+        if need > mgr.num_total_gpu_blocks:
+            raise ValueError(f"the request may hold {longest} tokens in the cache ({n} prompt tokens, max_tokens="
+                             f"{params.max_tokens}, max_model_len={self.max_model_len}): running to its end alone "
+                             f"takes {need} blocks of {self.block_size} (the watermark of {mgr.watermark_blocks} "
+                             f"included), but the pool has {mgr.num_total_gpu_blocks}; lower max_tokens or give "
+                             f"the pool more blocks")
+        return params
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None) -> None:
         """Queue a request (checked first: a refused request leaves the engine as it was)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
-        self.check_prompt(prompt_token_ids)
+        params = self.check_request(prompt_token_ids, params)
         seq = Sequence(next(self._seq_ids), list(prompt_token_ids), self.block_size)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        # A seeded request draws from its own generator; the others from torch's global one.
         generator = None
-        if not params.greedy:
+        if not params.greedy and params.seed is not None:
             generator = torch.Generator(self.model.device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            generator.manual_seed(params.seed)
         self.scheduler.add_seq_group(SequenceGroup(request_id, [seq], arrival_time=float(len(self.requests))))
         self._request_of_seq[seq.seq_id] = request_id
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params, seq,

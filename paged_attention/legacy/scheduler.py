@@ -13,7 +13,10 @@ keeps a *running* list and a *swapped* list, and each ``schedule()``:
    preempted nothing, as in V0: memory was just too short);
 3. **admits** waiting groups in arrival order while ``can_allocate`` is OK, stopping at the first
    LATER (first come, first served: nobody overtakes) and dropping a NEVER; not while a group is
-   still swapped out (it came first) nor in a step that preempted one;
+   still swapped out (it came first) nor in a step that preempted one. A group that not even an
+   empty batch could take (more tokens to prefill than ``max_num_batched_tokens``: a group
+   recomputed after it grew) is dropped too, as V0 ignored a prompt over its limit: waiting
+   for it would stop the queue behind it for good;
 4. under prefix caching, marks the scheduled tokens' blocks as computed (each group's chunk).
 
 This is V0's order (``_schedule_default``: running, then swapped, then waiting). Unlike V0, which ran
@@ -42,7 +45,13 @@ from paged_attention.legacy.records import (
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device, check_int
 
-__all__ = ["FcfsScheduler"]
+__all__ = ["FcfsScheduler", "SchedulerStalled"]
+
+
+class SchedulerStalled(ValueError, RuntimeError):
+    """``schedule()`` found nothing to do while groups wait: nothing to run, no block to move, no
+    group to drop. Nothing would change, so every later step would find the same, forever; it
+    raises this instead (leaving everything as it was). An engine drops its requests then."""
 
 
 def _blocks(n: int) -> str:
@@ -61,7 +70,8 @@ class FcfsScheduler:
     swap, so they may come back larger) is aborted too.
 
     Each step: ``add_seq_group`` for the groups that arrived, ``schedule()``, run the model on
-    the record, then ``update(record, sampled_token_ids, finished_seq_ids)``.
+    the record, then ``update(record, sampled_token_ids, finished_seq_ids)``. A step that would
+    change nothing while groups wait raises ``SchedulerStalled`` rather than repeat forever.
     """
 
     def __init__(self, block_manager: SelfAttnBlockSpaceManager, *, preemption_mode: str = "swap",
@@ -163,6 +173,12 @@ class FcfsScheduler:
                 rid = self.swapped[0]
                 group = self.groups[rid]
                 if not self._batch_has_room(load, group.num_seqs(SequenceStatus.SWAPPED), 1):
+                    if load == [0, 0]:
+                        # Not even an empty batch takes it: waiting would change nothing, forever.
+                        self.swapped.pop(0)
+                        self._abort(group, record, f"{group.num_seqs(SequenceStatus.SWAPPED)} samples "
+                                                   f"exceed any step's batch ({self._batch_limits()})")
+                        continue
                     break
                 status = mgr.can_swap_in(group, num_lookahead_slots=0)
                 if status == AllocStatus.OK:
@@ -199,6 +215,14 @@ class FcfsScheduler:
                     break
                 seqs = group.get_seqs(SequenceStatus.WAITING)
                 if not self._batch_has_room(load, len(seqs), seqs[0].get_len()):
+                    if load == [0, 0]:
+                        # Not even an empty batch takes its prefill (a group preempted by
+                        # recomputation may have outgrown max_num_batched_tokens): ignored, as
+                        # V0 ignored a prompt over its limit, rather than blocking the queue.
+                        self.waiting.pop(0)
+                        self._ignore(group, record, f"{len(seqs)} x {seqs[0].get_len()} tokens to prefill "
+                                                    f"exceed any step's batch ({self._batch_limits()})")
+                        continue
                     record.events.append(Event(self.now, WAITED, rid, "the step's batch is full "
                                                f"({self._batch_limits()})"))
                     break
@@ -214,6 +238,13 @@ class FcfsScheduler:
             record.scheduled_seq_groups.append(ScheduledSequenceGroup(
                 group, chunk, is_prefill, record.num_cached_tokens.get(group.request_id, 0)))
             record.num_batched_tokens += chunk * len(seqs)
+
+        if not (record.scheduled_seq_groups or record.blocks_to_swap_in or record.blocks_to_swap_out
+                or record.blocks_to_copy or any(e.kind != WAITED for e in record.events)) and self.has_unfinished_seqs():
+            # Nothing changed, so every step after this one would be the same: say so, not loop.
+            why = "; ".join(f"{e.request_id}: {e.detail}" for e in record.events) or "no reason given"
+            raise SchedulerStalled(f"step {self.now} would schedule nothing while {len(self.waiting)} groups wait and "
+                                   f"{len(self.swapped)} are swapped out, and so would every step after it ({why})")
 
         # Prefix caching: the scheduled blocks count as computed from now on (as in V0, where
         # the scheduler did this once it had scheduled them), and every running sequence is
@@ -330,16 +361,17 @@ class FcfsScheduler:
             detail += f"; {cached} tokens found in the prefix cache"
         record.events.append(Event(self.now, ADMITTED, group.request_id, detail, num_blocks=taken))
 
-    def _ignore(self, group: SequenceGroup, record: StepRecord) -> None:
-        """``can_allocate`` said NEVER: the prompt does not fit even an empty GPU."""
+    def _ignore(self, group: SequenceGroup, record: StepRecord, why: Optional[str] = None) -> None:
+        """A waiting group that can never run: ``can_allocate`` said NEVER (the prompt does not
+        fit even an empty GPU), or ``why``."""
         mgr = self.block_manager
         need = self._num_required_blocks(group)
         for seq in group.get_seqs(SequenceStatus.WAITING):
             seq.status = SequenceStatus.FINISHED_IGNORED
         self.done_ids.append(group.request_id)
-        record.events.append(Event(self.now, IGNORED, group.request_id,
-                                   f"needs {_blocks(need)}; the GPU has {mgr.num_total_gpu_blocks} "
-                                   f"(watermark {mgr.watermark_blocks})", num_blocks=need))
+        if why is None:
+            why = f"needs {_blocks(need)}; the GPU has {mgr.num_total_gpu_blocks} (watermark {mgr.watermark_blocks})"
+        record.events.append(Event(self.now, IGNORED, group.request_id, why, num_blocks=need))
 
     def _swap_in(self, group: SequenceGroup, record: StepRecord) -> None:
         """Bring a swapped group back to the GPU; it decodes this step."""
