@@ -10,7 +10,7 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.utils import PAD_SLOT_ID, cdiv
-from paged_attention.v2 import BlockTables, FastBlockTables, StagedWriteTensor, UvaBackedTensor
+from paged_attention.v2 import BlockTables, FastBlockTables, StagedWriteTensor, UvaBackedTensor, make_block_tables
 from paged_attention.v2 import block_table as v2bt
 from paged_attention.v2 import block_table_fast as fast_bt
 
@@ -23,7 +23,7 @@ MAX_REQS, MAX_TOKENS, MAX_LEN = 4, 16, 200      # widths: cdiv(200, 16) = 13, cd
 
 
 def make(impl="fast", block_sizes=BLOCK_SIZES, max_num_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_len=MAX_LEN):
-    return BlockTables(block_sizes, max_num_reqs, max_tokens, max_len, DEV, impl=impl)
+    return make_block_tables(block_sizes, max_num_reqs, max_tokens, max_len, DEV, impl=impl)
 
 
 def i32(values):
@@ -78,6 +78,8 @@ def test_construction_shapes_and_layout_tensors():
     assert host(bt.block_sizes_tensor).tolist() == [16, 32]
     assert bt.impl == "fast" and type(bt) is FastBlockTables and isinstance(bt, BlockTables)
     assert type(make("vllm")) is BlockTables and make("vllm").impl == "vllm"
+    # The two classes are the two kernel sets: no constructor turns one into the other.
+    assert type(BlockTables(BLOCK_SIZES, MAX_REQS, MAX_TOKENS, MAX_LEN, DEV)) is BlockTables
 
 
 @pytest.mark.parametrize("kwargs,error", [
@@ -89,6 +91,7 @@ def test_construction_shapes_and_layout_tensors():
     (dict(max_tokens=True), TypeError),
     (dict(max_len=-1), ValueError),
     (dict(impl="triton"), ValueError),
+    (dict(impl=["fast"]), ValueError),
 ])
 def test_bad_construction(kwargs, error):
     with pytest.raises(error):
@@ -112,7 +115,7 @@ def test_v2_imports_no_other_vllm_version():
 def test_wrong_device_for_this_machine():
     other = "cpu" if runtime.HAS_CUDA else "cuda"
     with pytest.raises(ValueError, match="cpu|cuda"):
-        BlockTables([16], 2, 8, 64, other)
+        FastBlockTables([16], 2, 8, 64, other)
 
 
 # ---- append_block_ids / apply_staged_writes ---------------------------------------------------
@@ -279,7 +282,7 @@ def test_overlap_record_goes_with_the_staged_writes(forget):
     # The overlap check reads the ranges each table has staged: staged writes cleared, applied
     # or popped straight on bt.block_tables[g] (not through apply_staged_writes) take their
     # ranges with them, so a later write to the same columns is fine.
-    bt = BlockTables([4], 2, 8, 16, DEV)
+    bt = FastBlockTables([4], 2, 8, 16, DEV)
     bt.append_block_ids(0, ([1, 2],), overwrite=True)
     table = bt.block_tables[0]
     assert table.overlaps_staged(0, 1, 2) == (0, 2) and table.overlaps_staged(1, 0, 2) is None
@@ -423,7 +426,7 @@ def test_dummy_block_tables_are_the_persistent_views():
 
 def worked_example(impl):
     """Request state 5 holds [7, 9], state 2 holds [3]; one group of blocks of 16."""
-    bt = BlockTables([16], 8, 16, 64, DEV, impl=impl)
+    bt = make_block_tables([16], 8, 16, 64, DEV, impl=impl)
     bt.append_block_ids(5, ([7, 9],), overwrite=True)
     bt.append_block_ids(2, ([3],), overwrite=True)
     bt.apply_staged_writes()
@@ -487,7 +490,7 @@ def test_empty_requests_and_an_empty_batch(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_slots_are_64_bit(impl):
     # A block id times the block size past 2**31: an int32 product would wrap.
-    bt = BlockTables([16, 32], 2, 4, 64, DEV, impl=impl)
+    bt = make_block_tables([16, 32], 2, 4, 64, DEV, impl=impl)
     big = 2 ** 31 - 5
     bt.append_block_ids(1, ([3, big], [big]), overwrite=True)
     bt.apply_staged_writes()
@@ -576,7 +579,7 @@ def test_impl_is_chosen_by_the_constructor(monkeypatch):
     assert vllm.launches == 0 and fast.grids == [(1,)]           # ours: tiles of tokens
     filled("vllm").compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
     assert vllm.grids == [(2, 3)] and fast.launches == 1         # vLLM's: (groups, requests + 1)
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(TypeError, match="impl"):
         FastBlockTables(BLOCK_SIZES, MAX_REQS, MAX_TOKENS, MAX_LEN, DEV, impl="vllm")
 
 
@@ -698,7 +701,7 @@ def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(rows, prog
     # three-block write takes its first id from firsts, the other two from the values region.
     apply = CountingKernel(fast_bt._apply_block_table_writes_kernel)
     monkeypatch.setattr(fast_bt, "_apply_block_table_writes_kernel", apply)
-    monkeypatch.setattr(fast_bt, "_capturing", lambda device: True)
+    monkeypatch.setattr(fast_bt, "capturing", lambda device: True)
     bt = filled("fast")
     bt.capture_write_rows, bt.capture_write_programs = rows, programs
     bt.append_block_ids(1, ([41], [42]), overwrite=False)

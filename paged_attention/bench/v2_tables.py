@@ -18,6 +18,7 @@ import torch
 from paged_attention.bench.timing import gpu_us, graph_us, host_us, hot_us, launch_floor_us, queued_us, wall_us
 from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v2.block_table import BlockTables
+from paged_attention.v2 import make_block_tables
 from paged_attention.v2.block_table_fast import FastBlockTables
 
 
@@ -35,13 +36,13 @@ def build(block_sizes: Sequence[int], num_reqs: int, tokens_per_req: int, contex
           device: Optional[torch.device] = None, seed: int = 0) -> tuple[BlockTables, Batch]:
     """``num_reqs`` running requests of about ``context`` tokens each (random ids, a shuffled
     batch order), each scheduled ``tokens_per_req`` tokens after its context, in a
-    ``BlockTables(..., impl=impl)``. The tables are filled and applied; ``headroom`` tokens per
+    ``make_block_tables(..., impl=impl)``. The tables are filled and applied; ``headroom`` tokens per
     request are left for later appends. The same ``seed`` gives the same tables for either impl."""
     from paged_attention import runtime
     device = device or runtime.DEVICE
     rng = np.random.default_rng(seed)
     max_model_len = context + tokens_per_req + headroom
-    bt = BlockTables(list(block_sizes), num_reqs, max_num_batched_tokens, max_model_len, device, impl=impl)
+    bt = make_block_tables(list(block_sizes), num_reqs, max_num_batched_tokens, max_model_len, device, impl=impl)
     contexts = rng.integers(context // 2, context + 1, size=num_reqs)
     for req in range(num_reqs):
         length = int(contexts[req]) + tokens_per_req

@@ -50,10 +50,10 @@ class V2StepTables:
 
     def __init__(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  device: torch.device, impl: str = "fast") -> None:
-        from paged_attention.v2 import BlockTables
+        from paged_attention.v2 import make_block_tables
 
-        self.tables = BlockTables([block_size], max_num_seqs, max_num_batched_tokens, max_model_len, device,
-                                  impl=impl)
+        self.tables = make_block_tables([block_size], max_num_seqs, max_num_batched_tokens, max_model_len, device,
+                                        impl=impl)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.row_of: dict[int, int] = {}        # seq id -> request-state row
         self._mirror = _RowMirror()
