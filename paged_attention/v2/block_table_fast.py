@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_attention.kernels.triton.launch import Launcher
+from paged_attention.triton_launch import Launcher
 from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, is_int, next_power_of_2
 from paged_attention.v2.block_table import BlockTables
 from paged_attention.v2.buffers import UvaBufferPool
@@ -165,7 +165,7 @@ class FastBlockTables(BlockTables):
     def _once(self, key: tuple, make: Callable[[], object]) -> object:
         """What ``make()`` made for ``key`` the first time. Keys name a kernel's ``Launcher`` with
         the tile attributes it is built with (later launches skip Triton's argument binding, and
-        this object's fixed arguments are not gathered again: see ``kernels.triton.launch``), or
+        this object's fixed arguments are not gathered again: see ``paged_attention.triton_launch``), or
         a view handed back (slicing a tensor costs microseconds of host time, every step)."""
         made = self._made.get(key)
         if made is None:

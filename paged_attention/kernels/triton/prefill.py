@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import args
-from paged_attention.kernels.triton.cache import check_triton_dtype
-from paged_attention.kernels.triton.decode import LOG2E, _span, load_kv_tile
+from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile, span
 
 
 @triton.jit
@@ -201,6 +200,6 @@ def paged_attention_prefill(
         QUERIES_PER_KV=queries_per_kv, GROUP=group, BLOCK_M=block_m,
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.size(1),
         TILE_N=tile_n, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
+        OFFSETS_64=max(span(key_cache), span(value_cache)) >= 2**31,
         num_warps=num_warps, num_stages=num_stages,
     )
