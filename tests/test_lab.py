@@ -1,7 +1,6 @@
 """The labs' graders: reference solutions score 100 %, stubs 0 %, plausible wrong answers fail with a
 hint that names the mistake, and a broken submission gives a row, never a grader crash."""
 import csv
-import textwrap
 from pathlib import Path
 
 import nbformat

@@ -96,7 +96,7 @@ def test_v1_thread_mapping_rejects_bad_arguments(kwargs, match):
         v1_thread_mapping(**kwargs)
 
 
-def test_v2_partitions_rejects_bad_arguments():
+def test_v2_partitions_model_rejects_bad_arguments():
     with pytest.raises(ValueError, match="seq_len"):
         v2_partitions(0)
     with pytest.raises(ValueError, match="partition_size"):

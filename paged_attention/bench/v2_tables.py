@@ -259,7 +259,7 @@ def gather_and_slots_alone(tokens: int, *, sweep: bool = False, print_fn: Callab
                 _row(print_fn, f"slot mapping wall clock [fast] check={check}", wall=wall_us(lambda i: slots()))
         if impl == "fast" and sweep:
             _sweep_tiles(bt, batch, print_fn)
-        del bt, batch
+        bt = batch = None                         # freed before the next kernel set's
 
 
 def _sweep_tiles(bt: FastBlockTables, batch: Batch, print_fn: Callable[[str], object]) -> None:

@@ -87,7 +87,8 @@ def _random_tables(seed, n=20):
         table, k = [], 0
         for n in lens:
             m = math.ceil(n / block_size)
-            table.append(ids[k:k + m]); k += m
+            table.append(ids[k:k + m])
+            k += m
         cases.append((table, lens, block_size))
     return cases
 
