@@ -198,7 +198,7 @@ def gathered_two_steps(impl):
     return bt, rows
 
 
-@pytest.mark.parametrize("impl", ["vllm", "fast"])
+@pytest.mark.parametrize("impl", ["vllm", "triton"])
 def test_gather_kinds_match_the_kernel(impl):
     bt, rows = gathered_two_steps(impl)
     kinds = gather_kinds(bt.num_blocks.np[0], [1, 0, 2], rows)
@@ -219,7 +219,7 @@ def test_gather_kinds_checks_its_input():
 
 
 def test_draw_gather_draws_arrows_and_cells_by_kind():
-    bt, rows = gathered_two_steps("fast")
+    bt, rows = gathered_two_steps("triton")
     idx = [1, 0, 2]
     ax = draw_gather(bt.block_tables[0].gpu, bt.num_blocks.np[0], idx, rows, requests=["E", "B", "C"])
     assert isinstance(ax, Axes)

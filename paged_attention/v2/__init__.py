@@ -32,17 +32,17 @@ from paged_attention.v2.buffers import (StagedWriteTensor, UnsupportedDtypeError
                                         UvaBuffer, UvaBufferPool, async_copy_to_gpu)
 from paged_attention.v2.common import SlotProgram
 
-IMPLS = ("fast", "vllm")
-"""The kernel sets, by name: ours (``"fast"``, ``FastBlockTables``) and those shaped like vLLM's
+IMPLS = ("triton", "vllm")
+"""The kernel sets, by name: ours (``"triton"``, ``FastBlockTables``) and those shaped like vLLM's
 (``"vllm"``, ``BlockTables``)."""
 
-_CLASSES = {"fast": FastBlockTables, "vllm": BlockTables}
+_CLASSES = {"triton": FastBlockTables, "vllm": BlockTables}
 
 
 def make_block_tables(block_sizes: Sequence[int], max_num_reqs: int, max_num_batched_tokens: int,
                       max_model_len: int, device: Union[torch.device, str], *,
-                      impl: str = "fast") -> BlockTables:
-    """``FastBlockTables(...)`` for ``impl="fast"``, ``BlockTables(...)`` for ``impl="vllm"``: the
+                      impl: str = "triton") -> BlockTables:
+    """``FastBlockTables(...)`` for ``impl="triton"``, ``BlockTables(...)`` for ``impl="vllm"``: the
     choice of kernels by name (a benchmark or an engine option); both give the same results."""
     if not isinstance(impl, str) or impl not in _CLASSES:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

@@ -71,7 +71,7 @@ class BlockTables:
     """
 
     impl = "vllm"
-    """The kernel set this class runs (``FastBlockTables``: ``"fast"``)."""
+    """The kernel set this class runs (``FastBlockTables``: ``"triton"``)."""
 
     def __init__(self, block_sizes: Sequence[int], max_num_reqs: int, max_num_batched_tokens: int,
                  max_model_len: int, device: Union[torch.device, str]) -> None:
@@ -136,13 +136,13 @@ class BlockTables:
         if len(new_block_ids) != self.num_kv_cache_groups:
             raise ValueError(f"new_block_ids has {len(new_block_ids)} lists but there are "
                              f"{self.num_kv_cache_groups} KV-cache groups")
-        plans = [self._plan_write(g, req, ids, overwrite) for g, ids in enumerate(new_block_ids)]
-        for g, (start, values) in enumerate(plans):     # everything checked: stage and count
+        writes = [self._checked_write(g, req, ids, overwrite) for g, ids in enumerate(new_block_ids)]
+        for g, (start, values) in enumerate(writes):    # everything checked: stage and count
             if values:
                 self.block_tables[g]._stage(req, start, values)
             self.num_blocks.np[g, req] = start + len(values)
 
-    def _plan_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
+    def _checked_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
         """``(start column, ids)`` of group ``g``'s write, checked; nothing is staged here."""
         table = self.block_tables[g]
         values = ids if type(ids) is list and all(type(v) is int for v in ids) else table.as_values(ids)

@@ -1,5 +1,5 @@
 """Our faster kernels for v2's block tables: ``FastBlockTables``, a ``BlockTables`` that runs them
-(``make_block_tables(..., impl="fast")``, the default there).
+(``make_block_tables(..., impl="triton")``, the default there).
 
 The same tables, the same results; what changes is how the work is cut into launches and
 programs. These kernels move a few KB to a few MB, so they are latency-bound: what they cost is
@@ -47,7 +47,7 @@ class FastBlockTables(BlockTables):
     and ``gather_block_cols`` columns per gather tile, ``slot_block_tokens`` slots per tile.
     """
 
-    impl = "fast"
+    impl = "triton"
 
     def __init__(self, block_sizes: Sequence[int], max_num_reqs: int, max_num_batched_tokens: int,
                  max_model_len: int, device: Union[torch.device, str]) -> None:

@@ -6,7 +6,7 @@ physical block ``block_tables[s, j // block_size]``, at row ``j % block_size`` o
 For each query head ``h`` we want ``softmax(scale * q_h . K^T) V`` over those tokens, where K and
 V come from KV head ``h // (num_heads / num_kv_heads)`` (grouped-query attention, GQA).
 
-The plan (flash-decoding).
+The method (flash-decoding).
 
 * One program per (sequence, KV head, split). It loads all the query heads that share its KV
   head as the rows of one tile, so every key and value it reads from memory serves all of them:

@@ -8,7 +8,7 @@ written there first). Its new tokens are the sequence's last ``q_len``: new toke
 position ``prefix + i`` (``prefix = seq_len - q_len``, e.g. a prefix-cache hit) and sees keys
 ``0 .. prefix + i``. A decoding request is the case ``q_len = 1``; so one call serves a mixed batch.
 
-The plan (FlashAttention-2 over pages).
+The method (FlashAttention-2 over pages).
 
 * One program per (request, tile of ``BLOCK_M`` new tokens, KV head). Its tile's rows are those
   tokens times the query heads that share the KV head (GQA): ``BLOCK_M * GROUP`` rows, row ``i``
