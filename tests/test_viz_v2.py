@@ -12,12 +12,12 @@ from matplotlib.colors import to_hex  # noqa: E402
 from paged_attention import runtime  # noqa: E402
 from paged_attention.utils import cdiv  # noqa: E402
 from paged_attention.v2 import (  # noqa: E402
-    FastBlockTables, SlotProgram, StagedWriteTensor, UvaBackedTensor, fast_slot_programs, make_block_tables,
-    vllm_slot_programs,
+    FastBlockTables, SlotProgram, StagedWriteTensor, UvaBackedTensor, apply_writes, fast_slot_programs, gather_kinds,
+    make_block_tables, vllm_slot_programs,
 )
 from paged_attention.viz import (  # noqa: E402
-    StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
-    draw_uva_counters, draw_v2_step_times, gather_kinds, seq_color, snapshot_uva, staged_writes,
+    StagedWrite, UvaSnapshot, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
+    draw_uva_counters, draw_v2_step_times, seq_color, snapshot_uva, staged_writes,
 )
 
 DEV = runtime.DEVICE

@@ -29,6 +29,7 @@ from paged_attention.model.attention import KVCache, PagedAttention, read_layout
 from paged_attention.model.batch import ForwardBatch
 from paged_attention.model.config import LlamaConfig
 from paged_attention.model.weights import check_weights
+from paged_attention.utils import check_device
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -46,18 +47,9 @@ def resolve_dtype(dtype: object) -> torch.dtype:
 
 
 def resolve_device(device: object) -> torch.device:
-    """A torch.device from ``"cpu"``, ``"cuda"``, ``"cuda:0"`` or a device; typed errors otherwise."""
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {device!r}: {e}") from e
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be a CPU or a CUDA GPU, got {device}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA GPU")
-    return device
+    """The model's device, ``"cpu"``, ``"cuda"``, ``"cuda:0"`` or a ``torch.device``: the one device
+    check (``utils.check_device``), for the two kinds of device the model runs on."""
+    return check_device("device", device, types=("cpu", "cuda"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ from typing import Sequence, Union
 import torch
 
 import paged_attention.runtime  # noqa: F401  (sets TRITON_INTERPRET before the kernels below)
-from paged_attention.v2.block_table import BlockTables, vllm_slot_programs
+from paged_attention.v2.block_table import BlockTables, gather_kinds, vllm_slot_programs
 from paged_attention.v2.block_table_fast import FastBlockTables, fast_slot_programs
-from paged_attention.v2.buffers import (StagedWriteTensor, UnsupportedDtypeError, UvaBackedTensor,
-                                        UvaBuffer, UvaBufferPool, async_copy_to_gpu)
+from paged_attention.v2.buffers import (StagedWrite, StagedWriteTensor, UnsupportedDtypeError, UvaBackedTensor,
+                                        UvaBuffer, UvaBufferPool, apply_writes, async_copy_to_gpu)
 from paged_attention.v2.common import SlotProgram
 
 IMPLS = ("triton", "vllm")
@@ -50,7 +50,7 @@ def make_block_tables(block_sizes: Sequence[int], max_num_reqs: int, max_num_bat
 
 
 __all__ = [
-    "BlockTables", "FastBlockTables", "IMPLS", "SlotProgram", "StagedWriteTensor", "UnsupportedDtypeError",
-    "UvaBackedTensor", "UvaBuffer", "UvaBufferPool", "async_copy_to_gpu", "fast_slot_programs",
-    "make_block_tables", "vllm_slot_programs",
+    "BlockTables", "FastBlockTables", "IMPLS", "SlotProgram", "StagedWrite", "StagedWriteTensor",
+    "UnsupportedDtypeError", "UvaBackedTensor", "UvaBuffer", "UvaBufferPool", "apply_writes", "async_copy_to_gpu",
+    "fast_slot_programs", "gather_kinds", "make_block_tables", "vllm_slot_programs",
 ]

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_int, is_int
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, check_int_array, check_int_list, is_int
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor, check_kernel_device
 from paged_attention.v2.common import SlotProgram, capturing, load_ptr
 
@@ -204,7 +204,7 @@ class BlockTables:
     def get_dummy_block_tables(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
         """The first ``num_reqs`` rows of each input table, unchanged (the same tensors every
         time: for dummy runs and CUDA-graph capture)."""
-        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_int("num_reqs", num_reqs, 0, self.max_num_reqs, max_name="max_num_reqs")
         return tuple(block_table[:num_reqs] for block_table in self.input_block_tables)
 
     # ---- 4. Slot mappings -------------------------------------------------------------------------
@@ -237,7 +237,8 @@ class BlockTables:
     def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
         """Fill **all** of ``slot_mappings`` with ``PAD_SLOT_ID`` and return its first
         ``num_tokens`` columns (dummy runs: every cache write is skipped)."""
-        num_tokens = check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
+        num_tokens = check_int("num_tokens", num_tokens, 0, self.max_num_batched_tokens,
+                               max_name="max_num_batched_tokens")
         self.slot_mappings.fill_(PAD_SLOT_ID)
         return self.slot_mappings[:, :num_tokens]
 
@@ -299,8 +300,8 @@ class BlockTables:
             n, _ = self._check_gather(idx_mapping, None, check)
             if n != num_reqs:
                 raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
-        num_tokens_padded = check_count("num_tokens_padded", num_tokens if num_tokens_padded is None
-                                        else num_tokens_padded, self.max_num_batched_tokens, "max_num_batched_tokens")
+        num_tokens_padded = check_int("num_tokens_padded", num_tokens if num_tokens_padded is None else num_tokens_padded,
+                                      0, self.max_num_batched_tokens, max_name="max_num_batched_tokens")
         if check and not capturing(self._device):
             self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, idx_mapping is not None)
         return num_reqs, num_tokens, num_tokens_padded
@@ -351,6 +352,34 @@ def vllm_slot_programs(query_start_loc: Sequence[int], max_num_tokens: int, num_
         programs += [SlotProgram((g, b), g, qsl[b], qsl[b + 1], "request") for b in range(num_reqs)]
         programs.append(SlotProgram((g, num_reqs), g, qsl[-1], max_num_tokens, "padding"))
     return programs
+
+
+# ---- The gather's result, cell by cell --------------------------------------------------------------
+def gather_kinds(num_blocks: Any, idx_mapping: Any, gathered: Any) -> list[list[str]]:
+    """What each cell of the gathered (batch-ordered) table is, row by row:
+
+    * ``"copied"``: column ``< num_blocks[idx_mapping[b]]``: copied from the request's row now;
+    * ``"stale"``: past that count but not zero: left from an earlier step (the gather copies
+      only ``num_blocks`` columns, as vLLM does: attention never reads them);
+    * ``"empty"``: past the count and zero;
+    * ``"padding"``: a row ``b >= len(idx_mapping)`` (``num_reqs_padded``), zeroed.
+    """
+    counts = check_int_list("num_blocks", num_blocks)
+    idx = check_int_list("idx_mapping", idx_mapping)
+    table = check_int_array("gathered", gathered, 2)
+    if len(idx) > table.shape[0]:
+        raise ValueError(f"idx_mapping has {len(idx)} entries but gathered has {table.shape[0]} rows")
+    for b, s in enumerate(idx):
+        if not 0 <= s < len(counts):
+            raise IndexError(f"idx_mapping[{b}] = {s} names no request state (0..{len(counts) - 1})")
+    kinds = []
+    for b, row in enumerate(table.tolist()):
+        if b >= len(idx):
+            kinds.append(["padding"] * len(row))
+            continue
+        n = counts[idx[b]]
+        kinds.append(["copied" if c < n else "stale" if v != 0 else "empty" for c, v in enumerate(row)])
+    return kinds
 
 
 # ---- Kernels --------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile, span
+from paged_attention.utils import check_int
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_len
     stand_in = query.new_empty(num_reqs, query.size(1), query.size(2))
     args.check_flash_decode_args(stand_in, key_cache, value_cache, block_tables, seq_lens, None,
                                  check_ids=check_ids, scale=scale)
-    max_query_len = args.positive_int("max_query_len", max_query_len)
+    max_query_len = check_int("max_query_len", max_query_len, 1)
     if not check_ids or num_reqs == 0:
         return
     starts = query_start_loc.tolist()
