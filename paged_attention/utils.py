@@ -55,43 +55,69 @@ class VllmAssertion(AssertionError):
     """
 
 
-# ---- Argument checks shared by the block tables ---------------------------------------------------
+# ---- The one set of argument checks -----------------------------------------------------------------
+# Every module checks integers, lists of integers and devices with these, so that a wrong argument
+# gets the same kind of error everywhere: TypeError for a wrong type, ValueError for a bad value.
+
 def is_int(x: object) -> bool:
     """A plain or numpy integer, but not a bool (``True`` is an int to Python)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``: TypeError if it is not an int, ValueError if too small."""
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None, *,
+              max_name: str | None = None) -> int:
+    """``value`` as a plain int in ``[minimum, maximum]`` (either bound may be None): TypeError
+    if it is not an int (a bool, a float even if whole, a string), ValueError outside the
+    bounds. ``max_name`` names the upper bound in the message (``max_num_reqs=4``)."""
     if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if maximum is not None and not (minimum if minimum is not None else value) <= value <= maximum:
+        limit = f"{max_name}={maximum}" if max_name else str(maximum)
+        low = f"between {minimum} and {limit}" if minimum is not None else f"<= {limit}"
+        raise ValueError(f"{name} must be {low}, got {value}")
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
 
-def check_int_list(name: str, values: object, minimum: int) -> list[int]:
-    """``values`` (a list, tuple, range or 1-d numpy array) as a list of ints >= ``minimum``."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise TypeError(f"{name} must be a list of ints, got {values!r}")
+def check_int_list(name: str, values: object, minimum: int | None = None) -> list[int]:
+    """``values`` (a list, tuple, range, or a 1-d numpy array or tensor) as a list of plain ints,
+    each ``>= minimum``: TypeError for another container (a string too) or an element that is not
+    an int, ValueError for one below ``minimum``."""
+    if isinstance(values, (np.ndarray, torch.Tensor)) and values.ndim == 1:
+        values = values.tolist()
+    if not isinstance(values, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of ints, got {type(values).__name__} {values!r}")
     return [check_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(values)]
 
 
-def check_count(name: str, value: object, maximum: int, max_name: str) -> int:
-    """``value`` as an int in ``[0, maximum]`` (``max_name`` names the limit in the error)."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if not 0 <= value <= maximum:
-        raise ValueError(f"{name} must be between 0 and {max_name}={maximum}, got {value}")
-    return int(value)
+def check_int_array(name: str, values: object, ndim: int = 1) -> np.ndarray:
+    """An int64 numpy copy of ``values`` (a list, nested lists, a numpy array or a tensor on any
+    device) with ``ndim`` dimensions: TypeError for something that is not an array of integers,
+    ValueError for another number of dimensions. The array form of ``check_int_list``, for
+    checks that then run vectorised."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, (str, bytes)) or is_int(values):
+        raise TypeError(f"{name} must be an array of ints, got {values!r}")
+    try:
+        array = np.asarray(values)
+    except ValueError as e:                       # ragged nested lists
+        raise TypeError(f"{name} must be an array of ints, got {values!r}") from e
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
+    return array.astype(np.int64)
 
 
-def check_device(name: str, device: object) -> torch.device:
+def check_device(name: str, device: object, types: tuple[str, ...] | None = None) -> torch.device:
     """``device`` as a ``torch.device`` that this machine has.
 
     Takes a ``torch.device``, a device string (``"cpu"``, ``"cuda:0"``, ``"meta"``) or a GPU
-    index. TypeError for anything else, ValueError for a string torch cannot parse or a GPU this
-    machine lacks, so a bad device fails here with its name rather than deep inside torch.
+    index. TypeError for anything else, ValueError for a string torch cannot parse, a GPU this
+    machine lacks, or a device type not in ``types`` (when given), so a bad device fails here with
+    its name rather than deep inside torch.
     """
     if isinstance(device, torch.device):
         dev = device
@@ -108,6 +134,8 @@ def check_device(name: str, device: object) -> torch.device:
     else:
         raise TypeError(f"{name} must be a torch.device, a device string or a GPU index, "
                         f"got {device!r}")
+    if types is not None and dev.type not in types:
+        raise ValueError(f"{name} must be a {' or a '.join(types)} device, got {dev}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{name} is {dev}, but torch sees no CUDA device; use "

@@ -19,7 +19,7 @@ import torch
 from paged_attention import runtime
 from paged_attention.engine import LLM, RequestOutput, SamplingParams
 from paged_attention.kernels import KernelUnavailable
-from paged_attention.legacy.records import ADMITTED, RECOMPUTED, SWAPPED_IN, SWAPPED_OUT
+from paged_attention.legacy.records import RECOMPUTED, SWAPPED_IN, SWAPPED_OUT
 from paged_attention.model import LlamaConfig, LlamaForCausalLM, load_gguf, random_weights
 from paged_attention.model.dense import dense_generate
 

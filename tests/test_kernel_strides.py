@@ -409,9 +409,9 @@ def test_decode_max_seq_len_contract(device):
     expected = ref.ref_decode_attention(*p.decode_args())
     out = torch.full_like(p.query, 7.0)
     for bad, error, match in [(1, ValueError, r"max_seq_len \(1\) must be >= the longest of seq_lens \(20\)"),
-                              (19, ValueError, "longest"), (0, ValueError, "positive int"),
-                              (-3, ValueError, "positive int"), (True, TypeError, "positive int"),
-                              (20.0, TypeError, "positive int"), ("20", TypeError, "positive int")]:
+                              (19, ValueError, "longest"), (0, ValueError, "max_seq_len must be >= 1"),
+                              (-3, ValueError, "max_seq_len must be >= 1"), (True, TypeError, "must be an int"),
+                              (20.0, TypeError, "must be an int"), ("20", TypeError, "must be an int")]:
         with pytest.raises(error, match=match):
             tk.paged_attention_decode(out, *p.decode_args(), max_seq_len=bad)
         assert (out == 7.0).all()
@@ -421,7 +421,7 @@ def test_decode_max_seq_len_contract(device):
         tk.paged_attention_decode(out, *p.decode_args(), max_seq_len=max_seq_len, check_ids=check_ids,
                                   num_splits=splits)
         assert_close_to_oracle(out, expected)
-    with pytest.raises(TypeError, match="num_splits must be a positive int"):
+    with pytest.raises(TypeError, match="num_splits must be an int"):
         tk.paged_attention_decode(out, *p.decode_args(), num_splits=True)
 
 
@@ -435,11 +435,32 @@ def test_v0_attention_max_seq_len_zero_is_a_value_error():
     assert (a["out"] == 0).all()
 
 
-def test_decode_empty_batch_with_unchecked_ids(device):
+def test_decode_empty_batch_with_unchecked_ids(device, monkeypatch):
+    # No sequence: nothing is launched and nothing written (a launch on an empty grid fails on a
+    # GPU), checked or not; the arguments are still checked.
+    from paged_attention import triton_launch
+    launches = []
+    for method in ("__call__", "pinned"):
+        real = getattr(triton_launch.Launcher, method)
+        monkeypatch.setattr(triton_launch.Launcher, method,
+                            lambda self, *a, _real=real: launches.append(self.kernel) or _real(self, *a))
     p = _issue_problem(device)
+    caches = p.key_cache.clone(), p.value_cache.clone()
     empty = (p.query[:0], p.key_cache, p.value_cache, p.block_tables[:0], p.seq_lens[:0], p.scale)
-    tk.paged_attention_decode(torch.empty_like(p.query[:0]), *empty, check_ids=False)
-    tk.paged_attention_decode(torch.empty_like(p.query[:0]), *empty, max_seq_len=4)
+    for kwargs in (dict(check_ids=False), dict(max_seq_len=4), dict(check_ids=False, max_seq_len=4), {}):
+        out = torch.empty_like(p.query[:0])
+        assert tk.paged_attention_decode(out, *empty, **kwargs) is None
+        assert out.shape == (0, *p.query.shape[1:])
+    assert launches == []
+    assert torch.equal(p.key_cache, caches[0]) and torch.equal(p.value_cache, caches[1])
+    with pytest.raises(ValueError):                      # an empty batch checks its arguments all the same
+        tk.paged_attention_decode(torch.empty_like(p.query[:0]), *empty, check_ids=False, max_seq_len=0)
+    with pytest.raises(TypeError):
+        tk.paged_attention_decode(torch.empty_like(p.query[:0]).double(), *empty, check_ids=False, max_seq_len=4)
+    # The same calls with one sequence do launch (what the counter would miss if it counted nothing).
+    tk.paged_attention_decode(torch.empty_like(p.query[:1]), p.query[:1], p.key_cache, p.value_cache,
+                              p.block_tables[:1], p.seq_lens[:1], p.scale, check_ids=False, max_seq_len=20)
+    assert launches
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,9 +12,8 @@ from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.cpu_gpu_block_allocator import CpuGpuBlockAllocator
 from paged_attention.legacy.evictor import LRUEvictor
-from paged_attention.legacy.interfaces import BlockAllocator
 from paged_attention.legacy.naive_block import NaiveBlock, NaiveBlockAllocator
-from paged_attention.legacy.prefix_caching_block import PrefixCachingBlock, PrefixCachingBlockAllocator
+from paged_attention.legacy.prefix_caching_block import PrefixCachingBlockAllocator
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device
 

@@ -1,5 +1,4 @@
 """The plain-torch reference kernels: each against an independent computation."""
-import math
 
 import pytest
 import torch

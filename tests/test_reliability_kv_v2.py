@@ -19,7 +19,7 @@ from paged_attention.kv_cache.interface import (
 from paged_attention.kv_cache.layer import Attention
 from paged_attention.v1.block_table import BlockTable, MultiGroupBlockTable
 from paged_attention.v1.cpu_gpu_buffer import CpuGpuBuffer
-from paged_attention.v2.block_table import BlockTables
+from paged_attention.v2.block_table_fast import FastBlockTables
 from paged_attention.v2.buffers import (StagedWriteTensor, UvaBackedTensor, UvaBufferPool,
                                         async_copy_to_gpu)
 
@@ -219,7 +219,7 @@ MAKERS = {
     "CpuGpuBuffer": lambda dev: CpuGpuBuffer(4, dtype=torch.int32, device=dev, pin_memory=False),
     "v1 BlockTable": lambda dev: BlockTable(16, 4, 8, 64, False, dev, 16, 1),
     "v1 MultiGroupBlockTable": lambda dev: MultiGroupBlockTable(4, 64, 64, False, dev, [16], [16]),
-    "v2 BlockTables": lambda dev: BlockTables([16], 4, 64, 128, dev),
+    "v2 BlockTables": lambda dev: FastBlockTables([16], 4, 64, 128, dev),
     "StagedWriteTensor": lambda dev: StagedWriteTensor((4, 4), torch.int32, dev),
     "async_copy_to_gpu": lambda dev: async_copy_to_gpu(torch.zeros(3), device=dev),
 }

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from paged_attention import runtime
 from paged_attention.kernels.reference import ref_decode_attention
 from paged_attention.kernels.triton import choose_num_splits, paged_attention_decode
 from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem

@@ -1,5 +1,5 @@
-"""Cheap calls: plans checked once (decode, cache write), the Launcher that skips Triton's binder,
-and vLLM's own Triton kernel loaded as a peer."""
+"""Cheap calls: plans checked once (decode, cache write), and vLLM's own Triton kernel loaded as a
+peer. The Launcher the plans launch through: ``test_triton_launch.py``."""
 import sys
 
 import pytest
@@ -8,7 +8,6 @@ import torch
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels.triton import cache, decode, paged_attention_decode, reshape_and_cache_flash
 from paged_attention.kernels.triton.decode import DecodePlan
-from paged_attention.kernels.triton.launch import Launcher, _spec
 from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
 
 SMALL = dict(num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
@@ -144,49 +143,6 @@ def test_cache_write_plan_refuses_other_tensors(device):
     assert kc.abs().sum() == 0 and vc.abs().sum() == 0
     plan.run(key, value, kc, vc, slots)
     assert kc.abs().sum() > 0
-
-
-# ---- Launcher ----------------------------------------------------------------------------------
-def test_spec_separates_what_triton_specialises_on():
-    x = torch.zeros(8, dtype=torch.int32)
-    assert _spec(x) != _spec(x[1:])                        # 16-byte aligned or not
-    assert _spec(x) != _spec(x.float())                    # dtype
-    assert len({_spec(1), _spec(2), _spec(16), _spec(2**40)}) == 4
-    assert _spec(3) == _spec(5) and _spec(32) == _spec(48)
-
-
-def test_launcher_needs_every_argument():
-    with pytest.raises(TypeError, match="not given"):
-        Launcher(cache._reshape_and_cache_flash_kernel, ("key_ptr",), value_ptr=None)
-
-
-@pytest.mark.cuda
-def test_launcher_fast_path_compiles_per_specialisation_and_replays():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _twice(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
-
-    launch = Launcher(_twice, ("x_ptr", "y_ptr", "n"), BLOCK=64)
-    x = torch.arange(64, dtype=torch.int32, device="cuda")
-    for src, n in ((x, 33), (x, 40), (x[1:], 33), (x, 1), (x[3:], 16)):   # aligned, again, misaligned, n == 1, ...
-        y = torch.zeros(64, dtype=torch.int32, device="cuda")
-        launch((1,), src, y, n)
-        assert torch.equal(y[:n], src[:n] * 2) and not y[n:].any(), (src.data_ptr() % 16, n)
-    from paged_attention.kernels.triton import launch as launch_module
-    # (aligned, n odd), (misaligned, n odd), n == 1, (misaligned, n % 16 == 0)
-    assert sum(key[0] == launch._fixed_key for key in launch_module._COMPILED) == 4
-    # Captured in a CUDA graph, the fast path replays.
-    y = torch.zeros(64, dtype=torch.int32, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch((1,), x, y, 33)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y[:33], x[:33] * 2)
 
 
 @pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""v2 ``BlockTables``, method by method, for both kernel sets (``impl="vllm"`` and ``"fast"``).
+"""v2 ``BlockTables``, method by method, for both kernel sets (``impl="vllm"`` and ``"triton"``).
 
 Two KV-cache groups with block sizes 16 and 32 (as in a model mixing full attention and sliding
 window layers) and small shapes, so that Triton's interpreter keeps up on a CPU. Every test reads
@@ -10,20 +10,20 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.utils import PAD_SLOT_ID, cdiv
-from paged_attention.v2 import BlockTables, FastBlockTables, StagedWriteTensor, UvaBackedTensor
+from paged_attention.v2 import BlockTables, FastBlockTables, StagedWriteTensor, UvaBackedTensor, make_block_tables
 from paged_attention.v2 import block_table as v2bt
 from paged_attention.v2 import block_table_fast as fast_bt
 
 from test_v2_buffers import CountingKernel
 
 DEV = runtime.DEVICE
-IMPLS = ["vllm", "fast"]
+IMPLS = ["vllm", "triton"]
 BLOCK_SIZES = [16, 32]
 MAX_REQS, MAX_TOKENS, MAX_LEN = 4, 16, 200      # widths: cdiv(200, 16) = 13, cdiv(200, 32) = 7
 
 
-def make(impl="fast", block_sizes=BLOCK_SIZES, max_num_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_len=MAX_LEN):
-    return BlockTables(block_sizes, max_num_reqs, max_tokens, max_len, DEV, impl=impl)
+def make(impl="triton", block_sizes=BLOCK_SIZES, max_num_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_len=MAX_LEN):
+    return make_block_tables(block_sizes, max_num_reqs, max_tokens, max_len, DEV, impl=impl)
 
 
 def i32(values):
@@ -76,8 +76,10 @@ def test_construction_shapes_and_layout_tensors():
     assert host(bt.input_block_table_ptrs).tolist() == [t.data_ptr() for t in bt.input_block_tables]
     assert host(bt.block_table_strides).tolist() == [13, 7]
     assert host(bt.block_sizes_tensor).tolist() == [16, 32]
-    assert bt.impl == "fast" and type(bt) is FastBlockTables and isinstance(bt, BlockTables)
+    assert bt.impl == "triton" and type(bt) is FastBlockTables and isinstance(bt, BlockTables)
     assert type(make("vllm")) is BlockTables and make("vllm").impl == "vllm"
+    # The two classes are the two kernel sets: no constructor turns one into the other.
+    assert type(BlockTables(BLOCK_SIZES, MAX_REQS, MAX_TOKENS, MAX_LEN, DEV)) is BlockTables
 
 
 @pytest.mark.parametrize("kwargs,error", [
@@ -88,7 +90,8 @@ def test_construction_shapes_and_layout_tensors():
     (dict(max_num_reqs=0), ValueError),
     (dict(max_tokens=True), TypeError),
     (dict(max_len=-1), ValueError),
-    (dict(impl="triton"), ValueError),
+    (dict(impl="fast"), ValueError),            # the old name of the Triton set: one vocabulary
+    (dict(impl=["triton"]), ValueError),
 ])
 def test_bad_construction(kwargs, error):
     with pytest.raises(error):
@@ -112,7 +115,7 @@ def test_v2_imports_no_other_vllm_version():
 def test_wrong_device_for_this_machine():
     other = "cpu" if runtime.HAS_CUDA else "cuda"
     with pytest.raises(ValueError, match="cpu|cuda"):
-        BlockTables([16], 2, 8, 64, other)
+        FastBlockTables([16], 2, 8, 64, other)
 
 
 # ---- append_block_ids / apply_staged_writes ---------------------------------------------------
@@ -177,7 +180,7 @@ def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
     per_group = CountingKernel(buffers._apply_write_kernel)
     monkeypatch.setattr(fast_bt, "_apply_block_table_writes_kernel", fused)
     monkeypatch.setattr(buffers, "_apply_write_kernel", per_group)
-    bt = make("fast", block_sizes=[16, 32, 8])
+    bt = make("triton", block_sizes=[16, 32, 8])
     for req in range(MAX_REQS):
         bt.append_block_ids(req, ([req + 1], [req + 20, req + 30], [req + 40]), overwrite=True)
     bt.apply_staged_writes()
@@ -191,11 +194,11 @@ def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
     assert bt.num_blocks.np[:, 2].tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("apply_impl,gather_impl", [("vllm", "fast"), ("fast", "fast"), ("vllm", "vllm")])
+@pytest.mark.parametrize("apply_impl,gather_impl", [("vllm", "triton"), ("triton", "triton"), ("vllm", "vllm")])
 def test_apply_and_gather_kernels_mix(apply_impl, gather_impl):
     # The fast gather reads the counts from device memory after a fast apply, and from the UVA
     # buffer after vLLM's apply (run here on the fast tables): either way the counts just published.
-    apply = FastBlockTables.apply_staged_writes if apply_impl == "fast" else BlockTables.apply_staged_writes
+    apply = FastBlockTables.apply_staged_writes if apply_impl == "triton" else BlockTables.apply_staged_writes
     bt = make(gather_impl)
     bt.append_block_ids(1, ([4, 5, 6], [7, 8]), overwrite=True)
     bt.apply_staged_writes()
@@ -211,7 +214,7 @@ def test_apply_and_gather_kernels_mix(apply_impl, gather_impl):
 def test_fast_gather_follows_counts_published_by_hand():
     # Counts edited on the host and published with num_blocks.copy_to_uva() (not through
     # apply_staged_writes) must reach the fast gather too.
-    bt = filled("fast")
+    bt = filled("triton")
     bt.num_blocks.np[0, 3] = 1
     bt.num_blocks.copy_to_uva()
     bt.input_block_tables[0].fill_(0)
@@ -279,7 +282,7 @@ def test_overlap_record_goes_with_the_staged_writes(forget):
     # The overlap check reads the ranges each table has staged: staged writes cleared, applied
     # or popped straight on bt.block_tables[g] (not through apply_staged_writes) take their
     # ranges with them, so a later write to the same columns is fine.
-    bt = BlockTables([4], 2, 8, 16, DEV)
+    bt = FastBlockTables([4], 2, 8, 16, DEV)
     bt.append_block_ids(0, ([1, 2],), overwrite=True)
     table = bt.block_tables[0]
     assert table.overlaps_staged(0, 1, 2) == (0, 2) and table.overlaps_staged(1, 0, 2) is None
@@ -392,7 +395,7 @@ def test_gather_of_an_empty_batch(impl):
     (lambda bt: bt.gather_block_tables(i32([0, 1, 2, 3])[::2]), ValueError, "contiguous"),
 ])
 def test_bad_gathers_raise_before_launching(call, error, match):
-    bt = filled("fast")
+    bt = filled("triton")
     bt.gather_block_tables(i32([3, 2]))
     before = snapshot(bt)
     with pytest.raises(error, match=match):
@@ -402,13 +405,13 @@ def test_bad_gathers_raise_before_launching(call, error, match):
 
 @pytest.mark.cuda
 def test_gather_refuses_a_host_mapping():
-    bt = filled("fast")
+    bt = filled("triton")
     with pytest.raises(ValueError, match="must be on"):
         bt.gather_block_tables(torch.tensor([0], dtype=torch.int32))
 
 
 def test_dummy_block_tables_are_the_persistent_views():
-    bt = filled("fast")
+    bt = filled("triton")
     bt.gather_block_tables(i32([1, 0]))
     before = [host(t).copy() for t in bt.input_block_tables]
     out = bt.get_dummy_block_tables(3)
@@ -423,7 +426,7 @@ def test_dummy_block_tables_are_the_persistent_views():
 
 def worked_example(impl):
     """Request state 5 holds [7, 9], state 2 holds [3]; one group of blocks of 16."""
-    bt = BlockTables([16], 8, 16, 64, DEV, impl=impl)
+    bt = make_block_tables([16], 8, 16, 64, DEV, impl=impl)
     bt.append_block_ids(5, ([7, 9],), overwrite=True)
     bt.append_block_ids(2, ([3],), overwrite=True)
     bt.apply_staged_writes()
@@ -487,7 +490,7 @@ def test_empty_requests_and_an_empty_batch(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_slots_are_64_bit(impl):
     # A block id times the block size past 2**31: an int32 product would wrap.
-    bt = BlockTables([16, 32], 2, 4, 64, DEV, impl=impl)
+    bt = make_block_tables([16, 32], 2, 4, 64, DEV, impl=impl)
     big = 2 ** 31 - 5
     bt.append_block_ids(1, ([3, big], [big]), overwrite=True)
     bt.apply_staged_writes()
@@ -530,7 +533,7 @@ def bad_slot_calls():
 @pytest.mark.parametrize("case", range(len(bad_slot_calls())))
 def test_bad_slot_mappings_raise_before_launching(case):
     call, error, match = bad_slot_calls()[case]
-    bt = filled("fast")
+    bt = filled("triton")
     bt.gather_block_tables(i32([3, 2]))
     bt.compute_slot_mappings(i32([0, 2, 3]), i64([0, 1, 2]))
     before = snapshot(bt)
@@ -541,7 +544,7 @@ def test_bad_slot_mappings_raise_before_launching(case):
 
 @pytest.mark.cuda
 def test_slot_mappings_refuse_host_tensors():
-    bt = filled("fast")
+    bt = filled("triton")
     with pytest.raises(ValueError, match="must be on"):
         bt.compute_slot_mappings(torch.tensor([0, 1], dtype=torch.int32), i64([0]), idx_mapping=i32([0]))
 
@@ -556,7 +559,7 @@ def test_unchecked_fast_path_gives_the_same_slots(impl):
 
 
 def test_dummy_slot_mappings_fill_everything():
-    bt = filled("fast")
+    bt = filled("triton")
     bt.gather_block_tables(i32([3]))
     bt.compute_slot_mappings(i32([0, 4]), i64([0, 1, 2, 3]))
     out = bt.get_dummy_slot_mappings(6)
@@ -572,11 +575,11 @@ def test_impl_is_chosen_by_the_constructor(monkeypatch):
     monkeypatch.setattr(v2bt, "_compute_slot_mappings_kernel", vllm)
     monkeypatch.setattr(fast_bt, "_compute_slot_mappings_fast_kernel", fast)
     args = (i32([0, 1, 3]), i64([0, 1, 2]))
-    filled("fast").compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
+    filled("triton").compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
     assert vllm.launches == 0 and fast.grids == [(1,)]           # ours: tiles of tokens
     filled("vllm").compute_slot_mappings(*args, idx_mapping=i32([1, 2]))
     assert vllm.grids == [(2, 3)] and fast.launches == 1         # vLLM's: (groups, requests + 1)
-    with pytest.raises(ValueError, match="impl"):
+    with pytest.raises(TypeError, match="impl"):
         FastBlockTables(BLOCK_SIZES, MAX_REQS, MAX_TOKENS, MAX_LEN, DEV, impl="vllm")
 
 
@@ -584,7 +587,7 @@ def test_impl_is_chosen_by_the_constructor(monkeypatch):
 def test_fast_kernels_replay_from_a_cuda_graph():
     # Capture gather + slots once; later steps change the tables, the counts and the batch in
     # place (fixed buffers), and each replay must equal an eager call.
-    bt = filled("fast")
+    bt = filled("triton")
     idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
     run = lambda: (bt.gather_block_tables(idx, check=False),
                    bt.compute_slot_mappings(qsl, pos, idx_mapping=idx, check=False))
@@ -615,7 +618,7 @@ def test_fast_kernels_replay_from_a_cuda_graph():
 def test_fused_gather_and_slots_equal_the_two_calls(padded, monkeypatch):
     fused = CountingKernel(fast_bt._gather_and_slots_fast_kernel)
     monkeypatch.setattr(fast_bt, "_gather_and_slots_fast_kernel", fused)
-    bt = filled("fast")
+    bt = filled("triton")
     idx, qsl, pos = i32([3, 1, 0]), i32([0, 2, 3, 5]), i64([0, 17, 20, 5, 6])
     tables_out, slots = bt.gather_and_compute_slot_mappings(idx, qsl, pos, num_reqs_padded=padded)
     assert fused.launches == 1
@@ -641,7 +644,7 @@ def test_fused_gather_and_slots_equal_the_two_calls(padded, monkeypatch):
 
 
 def test_fused_gather_and_slots_check_their_inputs():
-    bt = filled("fast")
+    bt = filled("triton")
     with pytest.raises(IndexError):
         bt.gather_and_compute_slot_mappings(i32([3, 9]), i32([0, 1, 2]), i64([0, 1]))
     with pytest.raises(ValueError, match="entries"):
@@ -651,7 +654,7 @@ def test_fused_gather_and_slots_check_their_inputs():
 def test_split_apply_can_be_launched_again():
     # pack_staged_writes (host) + launch_staged_writes (device) = apply_staged_writes; a
     # second launch of the same pack writes the same ids again (what the benchmark times).
-    bt = filled("fast")
+    bt = filled("triton")
     bt.append_block_ids(2, ([77], [78]), overwrite=False)
     bt.num_blocks.copy_to_uva()
     packed = bt.pack_staged_writes()
@@ -668,7 +671,7 @@ def test_split_apply_can_be_launched_again():
 def test_fast_apply_replays_from_a_cuda_graph():
     # A captured launch_staged_writes reads the write count from its buffer: replays apply
     # each step's writes, however many, as long as the graph's pool buffer is the one packed.
-    bt = filled("fast")
+    bt = filled("triton")
     bt.num_blocks.copy_to_uva()
     packed = bt.pack_staged_writes()
     graph = torch.cuda.CUDAGraph()
@@ -698,8 +701,8 @@ def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(rows, prog
     # three-block write takes its first id from firsts, the other two from the values region.
     apply = CountingKernel(fast_bt._apply_block_table_writes_kernel)
     monkeypatch.setattr(fast_bt, "_apply_block_table_writes_kernel", apply)
-    monkeypatch.setattr(fast_bt, "_capturing", lambda device: True)
-    bt = filled("fast")
+    monkeypatch.setattr(fast_bt, "capturing", lambda device: True)
+    bt = filled("triton")
     bt.capture_write_rows, bt.capture_write_programs = rows, programs
     bt.append_block_ids(1, ([41], [42]), overwrite=False)
     bt.append_block_ids(3, ([43], []), overwrite=False)

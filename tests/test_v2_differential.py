@@ -7,7 +7,7 @@ other blocks (``overwrite=True``, sometimes empty); then a random subset of the 
 in random order, is the batch (``idx_mapping``), each with a few tokens at positions it has
 blocks for, and some padding after them.
 
-Both v2 kernel sets (``impl="vllm"`` and ``"fast"``) run the same workload, and everything is compared:
+Both v2 kernel sets (``impl="vllm"`` and ``"triton"``) run the same workload, and everything is compared:
 
 * with v1, driven as its worker would (``add_row``/``append_row`` of the same ids, rows freed
   with ``clear_row`` and condensed with ``move_row``, the batch order made with ``swap_row``):
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from paged_attention import runtime
 from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v1 import MultiGroupBlockTable
-from paged_attention.v2 import BlockTables
+from paged_attention.v2 import make_block_tables
 
 DEV = runtime.DEVICE
 
@@ -63,8 +63,8 @@ class Workload:
         self.s = shape
         self.groups = len(shape.block_sizes)
         self.widths = [cdiv(shape.max_model_len, bs) for bs in shape.block_sizes]
-        self.v2 = {impl: BlockTables(shape.block_sizes, shape.max_num_reqs, shape.max_num_batched_tokens,
-                                     shape.max_model_len, DEV, impl=impl) for impl in ("vllm", "fast")}
+        self.v2 = {impl: make_block_tables(shape.block_sizes, shape.max_num_reqs, shape.max_num_batched_tokens,
+                                           shape.max_model_len, DEV, impl=impl) for impl in ("vllm", "triton")}
         self.v1 = MultiGroupBlockTable(shape.max_num_reqs, shape.max_model_len, shape.max_num_batched_tokens,
                                        False, DEV, shape.block_sizes, shape.block_sizes)
         # The numpy model of v2's state.

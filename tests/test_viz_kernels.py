@@ -96,7 +96,7 @@ def test_v1_thread_mapping_rejects_bad_arguments(kwargs, match):
         v1_thread_mapping(**kwargs)
 
 
-def test_v2_partitions_rejects_bad_arguments():
+def test_v2_partitions_model_rejects_bad_arguments():
     with pytest.raises(ValueError, match="seq_len"):
         v2_partitions(0)
     with pytest.raises(ValueError, match="partition_size"):
@@ -138,12 +138,13 @@ def test_key_layout_is_deterministic():
     assert [p.get_xy() for p in a.patches] == [p.get_xy() for p in b.patches]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(head_size=18, x=4), "multiple of x"), (dict(block_size=0), "block_size"),
-    (dict(x=2.5), "x must"), (dict(head_size=128, block_size=16), "too many"),
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(head_size=18, x=4), ValueError, "multiple of x"), (dict(block_size=0), ValueError, "block_size"),
+    (dict(x=2.5), TypeError, "x must be an int"), (dict(head_size=128, block_size=16), ValueError, "too many"),
 ])
-def test_key_layout_rejects_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_key_layout_rejects_bad_arguments(kwargs, error, match):
+    # A wrong type is a TypeError here too (utils.check_int), a wrong value a ValueError.
+    with pytest.raises(error, match=match):
         draw_v0_key_layout(**kwargs)
 
 

@@ -11,7 +11,7 @@ from paged_attention.kv_cache.backends import (  # noqa: E402
     FlashAttentionBackend, FlashInferBackend, TritonAttentionBackend)
 from paged_attention.kv_cache.layer import Attention  # noqa: E402
 from paged_attention.viz import (  # noqa: E402
-    draw_element_order, draw_raw_to_views, draw_shared_tensors, element_order, kv_dim_of, kv_pages)
+    draw_element_order, draw_raw_to_views, draw_shared_tensors, kv_dim_of, kv_pages)
 
 
 def _one_layer(backend, layout, num_blocks=3, block_size=16, heads=2, head_size=4):
@@ -25,18 +25,18 @@ def _one_layer(backend, layout, num_blocks=3, block_size=16, heads=2, head_size=
 
 
 def test_element_order_nhd_and_hnd():
-    nhd = element_order(2, 3, 4, "NHD")
-    hnd = element_order(2, 3, 4, "HND")
+    nhd = au.element_order(2, 3, 4, "NHD")
+    hnd = au.element_order(2, 3, 4, "HND")
     t, h, d = np.meshgrid(np.arange(2), np.arange(3), np.arange(4), indexing="ij")
     assert nhd.shape == hnd.shape == (2, 3, 4)
     assert (nhd == (t * 3 + h) * 4 + d).all()
     assert (hnd == (h * 2 + t) * 4 + d).all()
     assert sorted(hnd.ravel().tolist()) == list(range(24))      # a permutation of the page
-    assert (element_order(4, 1, 5, "HND") == element_order(4, 1, 5, "NHD")).all()   # one head
+    assert (au.element_order(4, 1, 5, "HND") == au.element_order(4, 1, 5, "NHD")).all()   # one head
     with pytest.raises(ValueError):
-        element_order(2, 3, 4, "DHN")
+        au.element_order(2, 3, 4, "DHN")
     with pytest.raises((TypeError, ValueError)):
-        element_order(0, 3, 4, "NHD")
+        au.element_order(0, 3, 4, "NHD")
 
 
 def test_kv_dim_of():

@@ -12,11 +12,12 @@ from matplotlib.colors import to_hex  # noqa: E402
 from paged_attention import runtime  # noqa: E402
 from paged_attention.utils import cdiv  # noqa: E402
 from paged_attention.v2 import (  # noqa: E402
-    BlockTables, SlotProgram, StagedWriteTensor, UvaBackedTensor, fast_slot_programs, vllm_slot_programs,
+    FastBlockTables, SlotProgram, StagedWriteTensor, UvaBackedTensor, apply_writes, fast_slot_programs, gather_kinds,
+    make_block_tables, vllm_slot_programs,
 )
 from paged_attention.viz import (  # noqa: E402
-    StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
-    draw_uva_counters, draw_v2_step_times, gather_kinds, seq_color, snapshot_uva, staged_writes,
+    StagedWrite, UvaSnapshot, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
+    draw_uva_counters, draw_v2_step_times, seq_color, snapshot_uva, staged_writes,
 )
 
 DEV = runtime.DEVICE
@@ -149,7 +150,7 @@ def test_snapshot_uva_follows_the_pool():
 
 
 def test_snapshot_uva_of_block_tables_counts():
-    bt = BlockTables([4, 8], 3, 8, 16, DEV)
+    bt = FastBlockTables([4, 8], 3, 8, 16, DEV)
     bt.append_block_ids(1, ([1, 2], [3]), overwrite=True)
     before = snapshot_uva(bt.num_blocks, "staged")
     assert before.unpublished() == [(0, 1), (1, 1)]
@@ -185,7 +186,7 @@ def test_draw_uva_counters_marks_gpu_and_unpublished_cells():
 
 def gathered_two_steps(impl):
     """Notebook 04's section 4: A, B, C gathered as C, A, B; then E in A's state, B grows, batch B, E, C + padding."""
-    bt = BlockTables([4], 5, 16, 24, DEV, impl=impl)
+    bt = make_block_tables([4], 5, 16, 24, DEV, impl=impl)
     for state, ids in ((0, [3, 7, 10, 12]), (1, [5]), (2, [2, 9])):
         bt.append_block_ids(state, (ids,), overwrite=True)
     bt.apply_staged_writes()
@@ -197,7 +198,7 @@ def gathered_two_steps(impl):
     return bt, rows
 
 
-@pytest.mark.parametrize("impl", ["vllm", "fast"])
+@pytest.mark.parametrize("impl", ["vllm", "triton"])
 def test_gather_kinds_match_the_kernel(impl):
     bt, rows = gathered_two_steps(impl)
     kinds = gather_kinds(bt.num_blocks.np[0], [1, 0, 2], rows)
@@ -218,7 +219,7 @@ def test_gather_kinds_checks_its_input():
 
 
 def test_draw_gather_draws_arrows_and_cells_by_kind():
-    bt, rows = gathered_two_steps("fast")
+    bt, rows = gathered_two_steps("triton")
     idx = [1, 0, 2]
     ax = draw_gather(bt.block_tables[0].gpu, bt.num_blocks.np[0], idx, rows, requests=["E", "B", "C"])
     assert isinstance(ax, Axes)
@@ -273,7 +274,7 @@ def test_fast_slot_programs_tile_the_buffer():
 
 
 def test_fast_grid_is_the_kernels_grid():
-    bt = BlockTables([16, 32], 4, 40, 64, DEV)
+    bt = FastBlockTables([16, 32], 4, 40, 64, DEV)
     assert len(fast_slot_programs(bt.max_num_batched_tokens, bt.slot_block_tokens)) == \
         cdiv(bt.max_num_batched_tokens, bt.slot_block_tokens)
 

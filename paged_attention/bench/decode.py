@@ -229,7 +229,7 @@ def kernel_times(contexts=(512, 1024, 2048, 4096, 8192, 16384, 32768), batch: in
             graph_time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=p.scale, enable_gqa=True)) * 1e3)
         print_fn(f"context {context:>6}: " + "  ".join(f"{n} {t[-1]:.1f} us" for n, t in times.items()
                                                         if t and t[-1] is not None))
-        del p, k, v
+        p = k = v = None                                          # freed before the next context's
         torch.cuda.empty_cache()
     # A kernel that ran nowhere (vLLM's FA3 where its library is not found) is left out.
     return list(contexts), {name: t for name, t in times.items() if any(x is not None for x in t)}

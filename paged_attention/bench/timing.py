@@ -54,7 +54,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, flush: str = "write") -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), flush=flush)
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 

@@ -18,6 +18,7 @@ import torch
 from paged_attention.bench.timing import gpu_us, graph_us, host_us, hot_us, launch_floor_us, queued_us, wall_us
 from paged_attention.utils import PAD_SLOT_ID, cdiv
 from paged_attention.v2.block_table import BlockTables
+from paged_attention.v2 import make_block_tables
 from paged_attention.v2.block_table_fast import FastBlockTables
 
 
@@ -31,17 +32,17 @@ class Batch:
 
 
 def build(block_sizes: Sequence[int], num_reqs: int, tokens_per_req: int, context: int, *,
-          max_num_batched_tokens: int = 16384, headroom: int = 1024, impl: str = "fast",
+          max_num_batched_tokens: int = 16384, headroom: int = 1024, impl: str = "triton",
           device: Optional[torch.device] = None, seed: int = 0) -> tuple[BlockTables, Batch]:
     """``num_reqs`` running requests of about ``context`` tokens each (random ids, a shuffled
     batch order), each scheduled ``tokens_per_req`` tokens after its context, in a
-    ``BlockTables(..., impl=impl)``. The tables are filled and applied; ``headroom`` tokens per
+    ``make_block_tables(..., impl=impl)``. The tables are filled and applied; ``headroom`` tokens per
     request are left for later appends. The same ``seed`` gives the same tables for either impl."""
     from paged_attention import runtime
     device = device or runtime.DEVICE
     rng = np.random.default_rng(seed)
     max_model_len = context + tokens_per_req + headroom
-    bt = BlockTables(list(block_sizes), num_reqs, max_num_batched_tokens, max_model_len, device, impl=impl)
+    bt = make_block_tables(list(block_sizes), num_reqs, max_num_batched_tokens, max_model_len, device, impl=impl)
     contexts = rng.integers(context // 2, context + 1, size=num_reqs)
     for req in range(num_reqs):
         length = int(contexts[req]) + tokens_per_req
@@ -205,7 +206,7 @@ def expected_slots(bt: BlockTables, batch: Batch) -> np.ndarray:
 
 
 # ---- The printed report --------------------------------------------------------------------------------
-IMPL_NAMES = {"vllm": "vLLM's kernels", "fast": "ours"}
+IMPL_NAMES = {"vllm": "vLLM's kernels", "triton": "ours"}
 
 
 def _row(print_fn: Callable[[str], object], label: str, **cols: float) -> None:
@@ -233,14 +234,14 @@ def report(*, sweep: bool = False, whole_path_only: bool = False, print_fn: Call
 def gather_and_slots_alone(tokens: int, *, sweep: bool = False, print_fn: Callable[[str], object] = print) -> None:
     """[1] ``gather_block_tables`` and ``compute_slot_mappings`` alone, one group, 1024
     requests of ``tokens`` tokens each, both kernel sets."""
-    for impl in ("vllm", "fast"):
+    for impl in ("vllm", "triton"):
         bt, batch = build([16], 1024, tokens, 2048, impl=impl)
         assert same_results(bt, batch), f"{impl} kernels disagree with numpy"
         print_fn(f" {tokens} token(s) per request = {batch.num_tokens} tokens, {IMPL_NAMES[impl]} (verified = numpy)")
         gather = lambda: bt.gather_block_tables(batch.idx_mapping, check=False)  # noqa: E731
         _row(print_fn, f"gather_block_tables [{impl}]", eager=gpu_us(gather), graph=graph_us(gather),
              hot=hot_us(gather))
-        if impl == "fast":
+        if impl == "triton":
             bt.num_blocks.copy_to_uva()           # re-binds .gpu: the gather now reads the counts over the bus
             _row(print_fn, "gather_block_tables [fast, UVA counts]", eager=gpu_us(gather), graph=graph_us(gather),
                  hot=hot_us(gather))
@@ -251,14 +252,14 @@ def gather_and_slots_alone(tokens: int, *, sweep: bool = False, print_fn: Callab
                 batch.query_start_loc, batch.positions, idx_mapping=idx, check=False)
             label = f"compute_slot_mappings [{impl}{', idx_mapping' if idx is not None else ''}]"
             _row(print_fn, label, eager=gpu_us(slots), graph=graph_us(slots), hot=hot_us(slots))
-        if impl == "fast" and tokens == 1:
+        if impl == "triton" and tokens == 1:
             for check in (True, False):
                 slots = lambda check=check: bt.compute_slot_mappings(  # noqa: E731
                     batch.query_start_loc, batch.positions, check=check)
                 _row(print_fn, f"slot mapping wall clock [fast] check={check}", wall=wall_us(lambda i: slots()))
-        if impl == "fast" and sweep:
+        if impl == "triton" and sweep:
             _sweep_tiles(bt, batch, print_fn)
-        del bt, batch
+        bt = batch = None                         # freed before the next kernel set's
 
 
 def _sweep_tiles(bt: FastBlockTables, batch: Batch, print_fn: Callable[[str], object]) -> None:
@@ -283,7 +284,7 @@ def whole_path(*, sweep: bool = False, print_fn: Callable[[str], object] = print
     print_fn("    only (the step's writes are staged once, and every call applies them again);")
     print_fn("    queued: as eager, the host's launch work hidden behind a GPU sleep (GPU time alone);")
     print_fn("    host: Python time to issue the launches; wall: a real step, host staging included")
-    for impl, fused in (("vllm", False), ("fast", False), ("fast", True)):
+    for impl, fused in (("vllm", False), ("triton", False), ("triton", True)):
         name = f"{impl}{', fused gather+slots' if fused else ''}"
         bt, batch = build([16, 32], 1024, 16, 2048, impl=impl)
         assert same_results(bt, batch), f"{impl} kernels disagree with numpy"
@@ -293,7 +294,7 @@ def whole_path(*, sweep: bool = False, print_fn: Callable[[str], object] = print
         part = v2_fused_device_step(bt, batch) if fused else v2_device_step(bt, batch)
         _row(print_fn, f"  gather + slots only [{name}]", eager=gpu_us(part), graph=graph_us(part),
              hot=hot_us(part), queued=queued_us(part), host=host_us(part))
-        if impl == "fast" and sweep:
+        if impl == "triton" and sweep:
             # Our apply under capture: programs x tiles of writes.
             whole = v2_whole_device_path(bt, batch, (64, 32), fused=fused)
             defaults = bt.capture_write_programs, bt.capture_write_rows
@@ -315,7 +316,7 @@ def v1_against_v2(*, print_fn: Callable[[str], object] = print) -> None:
     for num_reqs in (8, 32, 128, 512, 1024):
         appends = max(1, num_reqs // 16)
         cols = {"v1": wall_us(v1_step(num_reqs, 1, 2048, appends))}
-        for impl in ("vllm", "fast"):
+        for impl in ("vllm", "triton"):
             bt, batch = build([16], num_reqs, 1, 2048, impl=impl)
             cols[f"v2-{impl}"] = wall_us(v2_full_step(bt, batch, (appends,)))
             del bt, batch

@@ -4,7 +4,7 @@ The legacy block manager keeps each sequence's physical block ids as a Python li
 want device tensors: one block-table row per request of the batch and one cache slot per new
 token. Two of the project's table classes can build them, selectable with ``block_tables=``:
 
-* ``"v2"``: ``v2.BlockTables`` (``impl="fast"``, or ``"v2-vllm"`` for vLLM's kernels).
+* ``"v2"``: ``v2.BlockTables`` (``impl="triton"``, or ``"v2-vllm"`` for vLLM's kernels).
   Rows are *request states* that persist across steps: a sequence keeps its row while it runs, and
   only the ids it gained are staged (a copy on write or a swap rewrites the row). Each step the
   staged writes are applied, then one Triton launch gathers the batch's rows and computes every
@@ -27,13 +27,13 @@ TABLE_IMPLS = ("auto", "v2", "v2-vllm", "v1")
 
 
 class _RowMirror:
-    """What the host believes each row holds: ``(owner, ids)``. ``plan`` says how to bring a row
+    """What the host believes each row holds: ``(owner, ids)``. ``needed_write`` says how to bring a row
     to ``ids``: append the new tail (``False``) or rewrite it (``True``), and which ids to write."""
 
     def __init__(self) -> None:
         self.rows: dict[int, tuple[int, list[int]]] = {}
 
-    def plan(self, row: int, owner: int, ids: list[int]) -> tuple[bool, list[int]] | None:
+    def needed_write(self, row: int, owner: int, ids: list[int]) -> tuple[bool, list[int]] | None:
         held = self.rows.get(row)
         self.rows[row] = (owner, list(ids))
         if held is not None and held[0] == owner and len(held[1]) <= len(ids) and ids[:len(held[1])] == held[1]:
@@ -49,11 +49,11 @@ class V2StepTables:
     """Persistent request-state rows in ``v2.BlockTables``; one gather and slot-mapping launch a step."""
 
     def __init__(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 device: torch.device, impl: str = "fast") -> None:
-        from paged_attention.v2 import BlockTables
+                 device: torch.device, impl: str = "triton") -> None:
+        from paged_attention.v2 import make_block_tables
 
-        self.tables = BlockTables([block_size], max_num_seqs, max_num_batched_tokens, max_model_len, device,
-                                  impl=impl)
+        self.tables = make_block_tables([block_size], max_num_seqs, max_num_batched_tokens, max_model_len, device,
+                                        impl=impl)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.row_of: dict[int, int] = {}        # seq id -> request-state row
         self._mirror = _RowMirror()
@@ -69,7 +69,7 @@ class V2StepTables:
             if row is None:
                 row = self.row_of[seq_id] = self._free_rows.pop()
             rows.append(row)
-            write = self._mirror.plan(row, seq_id, ids)
+            write = self._mirror.needed_write(row, seq_id, ids)
             if write is not None:
                 overwrite, values = write
                 self.tables.append_block_ids(row, (values,), overwrite=overwrite)
@@ -107,7 +107,7 @@ class V1StepTables:
                 positions: torch.Tensor, host_query_start_loc: list[int], host_positions: list[int],
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         for row, (seq_id, ids) in enumerate(zip(seq_ids, block_ids)):
-            write = self._mirror.plan(row, seq_id, ids)
+            write = self._mirror.needed_write(row, seq_id, ids)
             if write is not None:
                 overwrite, values = write
                 (self.table.add_row if overwrite else self.table.append_row)(values, row)
@@ -132,7 +132,7 @@ def make_step_tables(impl: str, block_size: int, max_num_seqs: int, max_num_batc
     if impl == "v1":
         return V1StepTables(block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device)
     return V2StepTables(block_size, max_num_seqs, max_num_batched_tokens, max_model_len, device,
-                        impl="vllm" if impl == "v2-vllm" else "fast")
+                        impl="vllm" if impl == "v2-vllm" else "triton")
 
 
 __all__ = ["TABLE_IMPLS", "V1StepTables", "V2StepTables", "make_step_tables"]

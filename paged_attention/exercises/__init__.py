@@ -9,12 +9,15 @@ below are the one place that decides what a checker accepts.
 from __future__ import annotations
 
 import numbers
-import operator
 from collections.abc import Iterable
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from paged_attention.utils import check_int
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def report(correct: bool, what: str, hint: str) -> bool:
@@ -30,15 +33,11 @@ def report(correct: bool, what: str, hint: str) -> bool:
 
 
 def as_int(answer: object, name: str) -> int:
-    """A student's int: a Python, numpy or 0-d integer torch value. TypeError for anything else
-    (a bool, a float even if whole, a string, None)."""
-    if isinstance(answer, (bool, np.bool_)) or not hasattr(answer, "__index__") or \
-            getattr(answer, "dtype", None) == torch.bool:
-        raise TypeError(f"{name} must be an int, got {answer!r}")
-    try:
-        return operator.index(answer)      # refuses float and multi-element tensors
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {answer!r}") from None
+    """A student's int: a Python, numpy or 0-d integer torch value (``utils.check_int``, a tensor
+    read first). TypeError for anything else (a bool, a float even if whole, a string, None)."""
+    if isinstance(answer, torch.Tensor) and answer.ndim == 0 and answer.dtype in _INT_DTYPES:
+        answer = answer.item()
+    return check_int(name, answer)
 
 
 def as_int_list(answer: Sequence[int], name: str) -> list[int]:

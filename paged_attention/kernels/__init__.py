@@ -5,6 +5,22 @@ in Triton's interpreter on a CPU; ``cuda`` holds CUDA C++ kernels built on first
 ``vllm`` loads vLLM's own compiled kernels where they can be found. ``args`` holds the argument
 checks all four share, and ``layout`` the arithmetic of the CUDA kernels' cache layout.
 
+How a Triton kernel is launched, everywhere in the package (here and in ``v2``), by one rule:
+
+* A front-end whose kernel a model calls every step with the same shapes makes a **plan**: its
+  checks run once, and a ``Launcher`` (``paged_attention.triton_launch``) holds the fixed
+  arguments; each later call only launches through it. These are ``triton.decode.DecodePlan``,
+  ``triton.cache.CacheWritePlan`` and ``v2.FastBlockTables`` (its launchers kept per tile shape);
+  the plans' shared parts are in ``triton.launch``.
+* Every other kernel is launched with Triton's own ``kernel[grid](...)``: the prefill, the layer
+  ops (the engine replays decode steps from CUDA graphs on a GPU, where no host code runs), the v2
+  kernels shaped like vLLM's (kept as vLLM writes them) and ``StagedWriteTensor``'s apply.
+
+Nothing else calls a compiled kernel: the Triton internals that a direct launch needs are reached
+only through ``triton_launch.direct_launch_api``, which falls back to Triton's own path on a
+Triton release it was not checked on. What the Triton attention kernels share (reading keys and
+values through a block table, the base-2 scale, the dtype check) is in ``triton.common``.
+
 Two kinds of error come out of a kernel, and they mean different things:
 
 * ``ValueError`` / ``TypeError``: the arguments are wrong for the operation, whoever runs it

@@ -22,7 +22,7 @@ import torch
 
 from paged_attention.kernels import KernelUnavailable
 from paged_attention.kernels.layout import PARTITION_SIZE, v0_x
-from paged_attention.utils import cdiv, is_int
+from paged_attention.utils import cdiv, check_int
 
 # vLLM's kv_cache_dtype strings: the unquantized ones keep the input's element type; the fp8
 # ones store each element as one byte, which the cache holds as uint8.
@@ -206,15 +206,6 @@ def flag(name: str, value: object) -> bool:
     return value
 
 
-def positive_int(name: str, value: object) -> int:
-    """An int >= 1 (``bool`` is not one); ``TypeError`` for another type, ``ValueError`` below 1."""
-    if not is_int(value):
-        raise TypeError(f"{name} must be a positive int, got {type_name(value)} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def seq_len_bound(value: object, longest: int) -> int:
     """Check a caller's ``max_seq_len``: a positive int, and not less than ``longest``.
 
@@ -223,9 +214,10 @@ def seq_len_bound(value: object, longest: int) -> int:
     A smaller bound is refused because the kernels size their work (and v1 its shared memory,
     v2 its partitions) by it, so tokens past it would be dropped or worse.
     """
-    value = positive_int("max_seq_len", value)
+    value = check_int("max_seq_len", value, 1)
     if value > MAX_SEQ_LEN:
-        raise ValueError(f"max_seq_len must be <= {MAX_SEQ_LEN} (the kernels count tokens in 32 bits), got {value}")
+        raise ValueError(f"max_seq_len must be <= {MAX_SEQ_LEN} (the kernels count tokens in 32 bits), "
+                         f"got {value}")
     if longest > value:
         raise ValueError(f"max_seq_len ({value}) must be >= the longest of seq_lens ({longest})")
     return value
@@ -403,7 +395,7 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
         same_device(out=out, query=query)
         no_broadcast_dims("out", out)
     if num_splits is not None:
-        positive_int("num_splits", num_splits)
+        check_int("num_splits", num_splits, 1)
     if max_seq_len is not None:
         return seq_len_bound(max_seq_len, longest)
     if longest >= 0:
@@ -584,7 +576,7 @@ def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_t
     if blocksparse_vert_stride > 1:
         raise KernelUnavailable("block-sparse attention (blocksparse_vert_stride > 1) is not implemented in "
                                 "this project, by any of its kernels")
-    positive_int("max_seq_len", max_seq_len)
+    check_int("max_seq_len", max_seq_len, 1)
     longest = block_tables_and_lens(block_tables, seq_lens, num_seqs=num_seqs, block_size=block_size,
                                     num_blocks=key_cache.size(0), check_ids=check_ids)
     seq_len_bound(max_seq_len, longest)

@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from paged_attention.kv_cache.backends import AttentionBackend
+from paged_attention.kv_cache.backends import AttentionBackend, FlashInferBackend
 from paged_attention.kv_cache.interface import (
-    AttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, get_dtype_size)
+    AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor, get_dtype_size)
 from paged_attention.kv_cache.layer import Attention
 from paged_attention.utils import VllmAssertion, check_device, check_int
 
@@ -552,3 +553,26 @@ def build_attn_metadata(attn_groups: list[list[AttentionGroup]], num_reqs: int,
             for name in attn_group.layer_names:
                 metadata[name] = md
     return metadata
+
+
+# ---- Where a page's elements lie, as the reshape lays them out ---------------------------------------
+def element_order(block_size: int, num_kv_heads: int, head_size: int, layout: str) -> np.ndarray:
+    """``[block_size, num_kv_heads, head_size]``: the position in memory (in elements, from the
+    start of the page) of each element of block 0's K page, for FlashInfer's view (any block
+    size; FlashAttention orders a page the same way) under
+    ``layout``, as the library's ``_reshape_kv_cache`` lays it out."""
+    for name, value in (("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                        ("head_size", head_size)):
+        check_int(name, value, 1)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
+                             head_size=head_size, dtype=torch.float32)
+    config = KVCacheConfig(1, [KVCacheTensor(spec.page_size_bytes, ["layer.0"])],
+                           [KVCacheGroupSpec(["layer.0"], spec)])
+    raw = torch.zeros(spec.page_size_bytes, dtype=torch.int8)
+    view = _reshape_kv_cache(config, {"layer.0": raw}, {"layer.0": FlashInferBackend},
+                             layout)["layer.0"]
+    page = view[0, 0]                                      # block 0, K: [block_size, H, D]
+    idx = [torch.arange(n).view(*[-1 if i == d else 1 for i in range(3)])
+           for d, n in enumerate(page.shape)]
+    offsets = sum(i * s for i, s in zip(idx, page.stride()))
+    return (offsets + (page.data_ptr() - raw.data_ptr()) // page.element_size()).numpy()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
-from paged_attention.utils import Device, VllmAssertion, is_int
+from paged_attention.utils import Device, VllmAssertion, check_int_list, is_int
 
 
 class BlockStateError(ValueError, VllmAssertion):
@@ -82,23 +82,13 @@ def check_token_ids(name: str, token_ids: object) -> list[int]:
             raise TypeError(f"{name} must be a 1-d array of integers, got dtype {token_ids.dtype} with "
                             f"{token_ids.ndim} dimensions")
         return token_ids.tolist()
-    return _int_list(name, token_ids, "ints")
+    return check_int_list(name, token_ids)
 
 
 def check_block_ids(name: str, block_ids: object) -> list[int]:
     """``block_ids`` as a list of ints (TypeError otherwise); whether each is known is the
     allocator's to say (KeyError)."""
-    return _int_list(name, block_ids, "int block ids")
-
-
-def _int_list(name: str, values: object, what: str) -> list[int]:
-    """A list, tuple or range of ints as a list of plain ints; TypeError for anything else."""
-    if not isinstance(values, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list of {what}, got {type(values).__name__}")
-    for value in values:
-        if not is_int(value):
-            raise TypeError(f"{name} must hold {what} only, got {value!r}")
-    return [int(value) for value in values]
+    return check_int_list(name, block_ids)
 
 
 def check_time(name: str, now: object) -> float:

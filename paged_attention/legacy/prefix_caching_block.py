@@ -17,7 +17,6 @@ is never reported as computed: not while held, and not while it waits in the evi
 """
 from __future__ import annotations
 
-import hashlib
 from typing import FrozenSet, Iterable, Optional
 
 from paged_attention.legacy.common import (BlockPool, BlockStateError, BlockTypeError, CacheMetricData,
@@ -28,6 +27,10 @@ from paged_attention.legacy.evictor import EvictionPolicy, make_evictor
 from paged_attention.legacy.interfaces import Block, BlockAllocator, BlockId
 from paged_attention.legacy.naive_block import (NaiveBlock, NaiveBlockAllocator, check_block_token_ids,
                                                 check_computed_seq_block_ids)
+from paged_attention.legacy.prefix_caching_hash import NONE_HASH, hash_block_tokens
+# vLLM keeps the per-sequence trackers in this file; they live in their own module and are
+# re-exported here, so that vLLM's import path works.
+from paged_attention.legacy.prefix_caching_trackers import ComputedBlocksTracker, LastAccessBlocksTracker
 from paged_attention.utils import Device, is_int
 
 PrefixHash = int
@@ -468,11 +471,6 @@ class PrefixCachingBlockAllocator(BlockAllocator):
         return block_hashes[:num_cached]
 
 
-def _stable_hash(text: str) -> int:
-    """A 64-bit signed int from ``text`` that is the same in every process (unlike ``hash``)."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-
-
 class PrefixCachingBlock(Block):
     """A block whose full contents are named by a hash chained through its predecessors.
 
@@ -480,9 +478,8 @@ class PrefixCachingBlock(Block):
     the hash, the running token total of the chain, and promotion once the block fills up.
     """
 
-    # The "previous hash" of a first block. vLLM uses hash('None'), which changes from process
-    # to process; a fixed value keeps hashes printable and comparable across runs.
-    _none_hash: int = _stable_hash("None")
+    # The "previous hash" of a first block: fixed, the same in every process (prefix_caching_hash).
+    _none_hash: int = NONE_HASH
     # Previous hashes that mean "the previous block has no hash": ours, vLLM's per-process
     # sentinel (its tests mock an unhashed predecessor with it) and None.
     _unhashed: tuple = (None, _none_hash, hash("None"))
@@ -614,24 +611,11 @@ class PrefixCachingBlock(Block):
     @classmethod
     def hash_block_tokens(cls, is_first_block: bool, prev_block_hash: Optional[int], cur_block_token_ids: list[int],
                           extra_hash: Optional[int] = None) -> int:
-        """Hash a block's tokens together with the hash of everything before it.
-
-        Python's ``hash`` of a tuple of ints is the same in every process; ``None`` (whose hash
-        is not, before Python 3.12) is kept out of the tuple: a missing previous hash becomes
-        ``_none_hash`` and a missing ``extra_hash`` a flag.
-        """
-        if prev_block_hash is None:
-            prev_block_hash = cls._none_hash
-        has_extra = extra_hash is not None
-        return hash((is_first_block, prev_block_hash, has_extra, extra_hash if has_extra else 0,
-                     *cur_block_token_ids))
+        """Hash a block's tokens together with the hash of everything before it
+        (``prefix_caching_hash.hash_block_tokens``, with this class's ``_none_hash``)."""
+        return hash_block_tokens(is_first_block, prev_block_hash, cur_block_token_ids, extra_hash,
+                                 none_hash=cls._none_hash)
 
 
-def __getattr__(name: str) -> type:
-    """``ComputedBlocksTracker`` and ``LastAccessBlocksTracker``, which vLLM keeps in this file,
-    live in ``prefix_caching_trackers`` (they build on this module's hash); this keeps vLLM's
-    import path working."""
-    if name in ("ComputedBlocksTracker", "LastAccessBlocksTracker"):
-        from paged_attention.legacy import prefix_caching_trackers
-        return getattr(prefix_caching_trackers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["BlockTracker", "ComputedBlocksTracker", "LastAccessBlocksTracker", "PrefixCachingBlock",
+           "PrefixCachingBlockAllocator", "PrefixHash"]

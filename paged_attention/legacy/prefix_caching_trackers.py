@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from paged_attention.legacy.common import check_time
-from paged_attention.legacy.prefix_caching_block import PrefixCachingBlock
+from paged_attention.legacy.prefix_caching_hash import NONE_HASH, hash_block_tokens
 
 __all__ = ["ComputedBlocksTracker", "LastAccessBlocksTracker"]
 
@@ -40,11 +40,11 @@ class ComputedBlocksTracker:
         token_ids = seq.get_token_ids()
         if len(token_ids) < len(block_hashes) * self._block_size:
             raise ValueError(f"sequence {seq.seq_id} has fewer tokens than its blocks already hashed")
-        prev_block_hash = block_hashes[-1] if block_hashes else PrefixCachingBlock._none_hash
+        prev_block_hash = block_hashes[-1] if block_hashes else NONE_HASH
         for start in range(len(block_hashes) * self._block_size,
                            len(token_ids) // self._block_size * self._block_size, self._block_size):
-            prev_block_hash = PrefixCachingBlock.hash_block_tokens(
-                is_first_block=prev_block_hash == PrefixCachingBlock._none_hash, prev_block_hash=prev_block_hash,
+            prev_block_hash = hash_block_tokens(
+                is_first_block=prev_block_hash == NONE_HASH, prev_block_hash=prev_block_hash,
                 cur_block_token_ids=token_ids[start:start + self._block_size], extra_hash=seq.extra_hash())
             block_hashes.append(prev_block_hash)
 

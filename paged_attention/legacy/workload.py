@@ -22,7 +22,7 @@ from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.records import Event, StepRecord
 from paged_attention.legacy.scheduler import FcfsScheduler
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_attention.utils import check_count, check_int
+from paged_attention.utils import check_int
 
 __all__ = ["Request", "draw_length", "synthetic_workload", "SyntheticModel", "SimulatedEngine"]
 
@@ -89,7 +89,7 @@ class Request:
         the same token at the same position: they diverge from their first token on.
         """
         check_int("position", position, 0)
-        check_count("sample", sample, self.n - 1, "n - 1")
+        check_int("sample", sample, 0, self.n - 1, max_name="n - 1")
         # A hash of a tuple of ints does not depend on PYTHONHASHSEED (a str's would).
         h = hash((self.seed, zlib.crc32(self.request_id.encode()), sample, position)) & _MASK64
         return 1 + self.n * (h % ((_VOCAB - 1) // self.n)) + sample

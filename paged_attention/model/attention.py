@@ -69,7 +69,7 @@ def kv_cache_layout(impl: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The step's plan for a batch with prefills: computed once, used by every layer
+# A batch with prefills, split into its decodes and its prefills: once a step, for every layer
 # --------------------------------------------------------------------------------------------
 
 @dataclass
@@ -101,7 +101,10 @@ class PrefillPart:
 
 
 @dataclass
-class StepPlan:
+class BatchSplit:
+    """A batch with prefills, as ``split_batch`` cuts it: its decodes and its prefills (either
+    may be None)."""
+
     decode: DecodePart | None
     prefill: PrefillPart | None
 
@@ -126,9 +129,9 @@ def read_layout(batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
     return starts, lens, n_new
 
 
-def plan_step(batch: ForwardBatch, block_size: int) -> StepPlan:
+def split_batch(batch: ForwardBatch, block_size: int) -> BatchSplit:
     """Split a batch that is not decode-only into its decodes and its prefills, and build the
-    prefills' gather indices and mask, once: every layer then reuses the plan."""
+    prefills' gather indices and mask, once: every layer then reuses the split."""
     starts, lens, n_new = read_layout(batch)
     device = batch.block_tables.device
     decodes = [i for i, n in enumerate(n_new) if n == 1]
@@ -167,7 +170,7 @@ def plan_step(batch: ForwardBatch, block_size: int) -> StepPlan:
         mask = (p[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [R, max_q, max_kv]
         prefill = PrefillPart(torch.tensor(tokens, device=device), torch.tensor(rows, device=device),
                               blocks, p % block_size, mask[:, None], len(prefills), max_q)
-    return StepPlan(decode, prefill)
+    return BatchSplit(decode, prefill)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,15 +188,15 @@ class PagedAttention:
         # Unquantized caches: unit scales, made once (a per-step allocation would cost a launch).
         self.one = torch.ones(1, dtype=torch.float32, device=device)
         self._write, self._decode = _kernels(impl)
-        # A paged prefill kernel reads the cache directly (no gather, no plan): Triton's.
+        # A paged prefill kernel reads the cache directly (no gather, no split): Triton's.
         self._prefill = None
         if impl == "triton":
             from paged_attention.kernels.triton import paged_attention_prefill
             self._prefill = paged_attention_prefill
 
     @property
-    def needs_plan(self) -> bool:
-        """Whether a batch with prefills needs a :func:`plan_step` (the SDPA path) or not (a kernel)."""
+    def needs_split(self) -> bool:
+        """Whether a batch with prefills needs a :func:`split_batch` (the SDPA path) or not (a kernel)."""
         return self._prefill is None
 
     # ---- 1. write --------------------------------------------------------------------------
@@ -213,20 +216,20 @@ class PagedAttention:
         return out
 
     def mixed(self, query: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
-              plan: StepPlan | None) -> torch.Tensor:
+              split: BatchSplit | None) -> torch.Tensor:
         """A batch with prefills. With Triton: one paged prefill kernel for every request (a
-        decoding request is one with a single new token). Otherwise, by the ``plan``: the decodes
+        decoding request is one with a single new token). Otherwise, by the ``split``: the decodes
         through the decode kernel, the prefills through one padded SDPA call."""
         out = torch.empty_like(query)
         if self._prefill is not None:
             self._prefill(out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.seq_lens,
                           batch.query_start_loc, self.scale, max_query_len=batch.max_query_len, check_ids=False)
             return out
-        if plan.decode is not None:
-            d = plan.decode
+        if split.decode is not None:
+            d = split.decode
             out[d.tokens] = self.decode(query[d.tokens], kv_cache, d.batch)
-        if plan.prefill is not None:
-            out[plan.prefill.tokens] = self.prefill(query[plan.prefill.tokens], kv_cache, plan.prefill)
+        if split.prefill is not None:
+            out[split.prefill.tokens] = self.prefill(query[split.prefill.tokens], kv_cache, split.prefill)
         return out
 
     def prefill(self, query: torch.Tensor, kv_cache: KVCache, part: PrefillPart) -> torch.Tensor:

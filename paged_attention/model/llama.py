@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from paged_attention.kernels import args
-from paged_attention.model.attention import KVCache, PagedAttention, plan_step, read_layout, resolve_attention
+from paged_attention.model.attention import KVCache, PagedAttention, read_layout, resolve_attention, split_batch
 from paged_attention.model.batch import ForwardBatch
 from paged_attention.model.config import LlamaConfig
 from paged_attention.model.weights import check_weights
+from paged_attention.utils import check_device
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -46,18 +47,9 @@ def resolve_dtype(dtype: object) -> torch.dtype:
 
 
 def resolve_device(device: object) -> torch.device:
-    """A torch.device from ``"cpu"``, ``"cuda"``, ``"cuda:0"`` or a device; typed errors otherwise."""
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or a torch.device, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {device!r}: {e}") from e
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be a CPU or a CUDA GPU, got {device}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA GPU")
-    return device
+    """The model's device, ``"cpu"``, ``"cuda"``, ``"cuda:0"`` or a ``torch.device``: the one device
+    check (``utils.check_device``), for the two kinds of device the model runs on."""
+    return check_device("device", device, types=("cpu", "cuda"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,15 +167,15 @@ class LlamaForCausalLM:
             self.check_inputs(input_ids, positions, batch, kv_caches)
         cfg = self.config
         # A batch with prefills reads its layout to the host once, here; a decode batch reads nothing.
-        plan = None
+        split = None
         if not batch.is_decode_only:
-            if self.attn.needs_plan:
-                plan = plan_step(batch, self.block_size_of(kv_caches))
+            if self.attn.needs_split:
+                split = split_batch(batch, self.block_size_of(kv_caches))
             else:
                 read_layout(batch)   # checked once here; the prefill kernel then reads no host data
 
         if self.fused:
-            return self._forward_fused(input_ids, positions, batch, kv_caches, plan)
+            return self._forward_fused(input_ids, positions, batch, kv_caches, split)
         hidden = self.embed_tokens[input_ids]                               # [T, hidden]
         cos, sin = self.rotary.angles(positions)                            # once for all layers
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
@@ -196,7 +188,7 @@ class LlamaForCausalLM:
             qk = self.rotary.rotate(qk.view(-1, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
             v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            o = self._attend(q, k, v, kv_cache, batch, plan)
+            o = self._attend(q, k, v, kv_cache, batch, split)
             hidden = hidden + F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
             # --- MLP block (SwiGLU) ---
             x = rms_norm(hidden, layer["post_attention_layernorm"], cfg.rms_norm_eps)
@@ -209,15 +201,15 @@ class LlamaForCausalLM:
         return F.linear(hidden, self.lm_head).float()
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
-                plan) -> torch.Tensor:
+                split) -> torch.Tensor:
         """Write the step's keys and values, then attend (the decode kernel for a decode batch)."""
         self.attn.write(k, v, kv_cache, batch.slot_mapping)
         if batch.is_decode_only:
             return self.attn.decode(q, kv_cache, batch)
-        return self.attn.mixed(q, kv_cache, batch, plan)
+        return self.attn.mixed(q, kv_cache, batch, split)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                       kv_caches: list[KVCache], plan) -> torch.Tensor:
+                       kv_caches: list[KVCache], split) -> torch.Tensor:
         """The same layers with fused Triton kernels (on a GPU): each residual add with the RMSNorm
         after it, the rotary embedding in place on the QKV output, and SwiGLU's product. The
         arithmetic is
@@ -235,7 +227,7 @@ class LlamaForCausalLM:
                          self.rotary.cos_sin, positions)
             q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            o = self._attend(q, k, v, kv_cache, batch, plan)
+            o = self._attend(q, k, v, kv_cache, batch, split)
             # residual += o_proj(o); x = rms_norm(residual)
             x = add_rms_norm(F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"]),
                              layer["post_attention_layernorm"], cfg.rms_norm_eps, residual)

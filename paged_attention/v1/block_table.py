@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_device, check_int, check_int_list, is_int
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_device, check_int, check_int_array, check_int_list, is_int
 from paged_attention.v1.cpu_gpu_buffer import CpuGpuBuffer
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -208,9 +208,9 @@ class BlockTable:
 
     def _padded_slot_ids(self, num_reqs: int, query_start_loc: Any, positions: Any) -> np.ndarray:
         """Validate, then compute the later form's whole padded slot array from the device table."""
-        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
-        qsl = _as_int_array(query_start_loc, "query_start_loc")
-        pos = _as_int_array(positions, "positions")
+        num_reqs = check_int("num_reqs", num_reqs, 0, self.max_num_reqs, max_name="max_num_reqs")
+        qsl = check_int_array("query_start_loc", query_start_loc)
+        pos = check_int_array("positions", positions)
         num_tokens = pos.shape[0]
         if qsl.shape[0] < num_reqs + 1:
             raise ValueError(f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries, got {qsl.shape[0]}")
@@ -230,8 +230,8 @@ class BlockTable:
 
     def _slot_ids(self, req_indices: Any, positions: Any, table: np.ndarray) -> np.ndarray:
         """Validate, then compute the slot of each token from ``table`` (int64, vectorised)."""
-        req = _as_int_array(req_indices, "req_indices")
-        pos = _as_int_array(positions, "positions")
+        req = check_int_array("req_indices", req_indices)
+        pos = check_int_array("positions", positions)
         if req.shape != pos.shape:
             raise ValueError(f"req_indices and positions must have the same length, "
                              f"got {req.shape[0]} and {pos.shape[0]}")
@@ -279,12 +279,13 @@ class BlockTable:
     # ---- To the device -------------------------------------------------------------------------
     def commit_block_table(self, num_reqs: int) -> None:
         """Copy rows ``[0, num_reqs)`` of the table to the GPU (non-blocking)."""
-        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_int("num_reqs", num_reqs, 0, self.max_num_reqs, max_name="max_num_reqs")
         self.block_table.copy_to_gpu(num_reqs)
 
     def commit_slot_mapping(self, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` slots to the GPU (non-blocking)."""
-        num_tokens = check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
+        num_tokens = check_int("num_tokens", num_tokens, 0, self.max_num_batched_tokens,
+                               max_name="max_num_batched_tokens")
         self.slot_mapping.copy_to_gpu(num_tokens)
 
     def clear(self) -> None:
@@ -322,7 +323,7 @@ class BlockTable:
     # ---- Accessors -----------------------------------------------------------------------------
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
         """The first ``num_reqs`` rows of the device table (what attention metadata gets)."""
-        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_int("num_reqs", num_reqs, 0, self.max_num_reqs, max_name="max_num_reqs")
         return self.block_table.gpu[:num_reqs]
 
     def get_cpu_tensor(self) -> torch.Tensor:
@@ -479,13 +480,14 @@ class MultiGroupBlockTable:
 
     def commit_block_table(self, num_reqs: int) -> None:
         for table in self.block_tables:
-            check_count("num_reqs", num_reqs, table.max_num_reqs, "max_num_reqs")
+            check_int("num_reqs", num_reqs, 0, table.max_num_reqs, max_name="max_num_reqs")
         for table in self.block_tables:
             table.commit_block_table(num_reqs)
 
     def commit_slot_mapping(self, num_tokens: int) -> None:
         for table in self.block_tables:
-            check_count("num_tokens", num_tokens, table.max_num_batched_tokens, "max_num_batched_tokens")
+            check_int("num_tokens", num_tokens, 0, table.max_num_batched_tokens,
+                      max_name="max_num_batched_tokens")
         for table in self.block_tables:
             table.commit_slot_mapping(num_tokens)
 
@@ -520,25 +522,6 @@ def _check_dcp(world_size: Any, rank: Any, interleave: Any, block_size: int) -> 
         # local offset could pass the end of its block and land in another request's block.
         raise ValueError(f"with DCP the interleave size ({interleave}) must divide the (kernel) "
                          f"block size ({block_size})")
-
-
-def _as_int_array(values: Any, name: str) -> np.ndarray:
-    """A 1-D int64 copy of a list, numpy array or (any-device) torch tensor of integers."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    if isinstance(values, (str, bytes)) or is_int(values):
-        raise TypeError(f"{name} must be a 1-D array of ints, got {values!r}")
-    try:
-        arr = np.asarray(values)
-    except ValueError as e:
-        raise TypeError(f"{name} must be a 1-D array of ints, got {values!r}") from e
-    if arr.ndim != 1:
-        raise TypeError(f"{name} must be a 1-D array of ints, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64)
 
 
 def _as_block_id_array(block_ids: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ when you copy, stay the same.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch

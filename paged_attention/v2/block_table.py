@@ -19,9 +19,9 @@ whole life), and builds what attention needs with Triton kernels. A step has fou
 One launch serves every group through *pointer tables*: uint64 tensors of the groups' data
 pointers, which a program turns back into pointers to int32.
 
-``BlockTables(..., impl="vllm")`` runs the kernels below, shaped like vLLM's. ``impl="fast"``
-(the default) gives a ``FastBlockTables`` (``block_table_fast``): the same results with fewer
-launches and shorter chains of memory loads. The choice is made once, by the constructor.
+``BlockTables`` runs the kernels below, shaped like vLLM's. ``FastBlockTables``
+(``block_table_fast``, a subclass) runs ours: the same results with fewer launches and shorter
+chains of memory loads. ``paged_attention.v2.make_block_tables(..., impl=)`` picks one by name.
 
 Where vLLM has a bug, both do the sane thing: padding starts at the real token count
 ``query_start_loc[num_reqs]`` (vLLM's fix in PR #36580); padded gather rows are zeroed over each
@@ -38,18 +38,16 @@ a CUDA-graph capture, when values cannot be read.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv, check_count, check_int, is_int
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, check_int_array, check_int_list, is_int
 from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor, check_kernel_device
-
-IMPLS = ("fast", "vllm")
-"""The kernel sets: ours (``"fast"``, the default) and those shaped like vLLM's (``"vllm"``)."""
+from paged_attention.v2.common import SlotProgram, capturing, load_ptr
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 """The dtypes accepted for ``idx_mapping``, ``query_start_loc`` and ``positions``."""
@@ -58,12 +56,12 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class BlockTables:
-    """The block tables of every KV-cache group, on the device.
+    """The block tables of every KV-cache group, on the device, with vLLM's kernels.
 
-    ``BlockTables(block_sizes, max_num_reqs, max_num_batched_tokens, max_model_len, device, *,
-    impl="fast")``: group ``g`` has blocks of ``block_sizes[g]`` tokens and a table of
-    ``cdiv(max_model_len, block_sizes[g])`` columns; rows are request states ``0 ..
-    max_num_reqs-1``; every slot mapping has ``max_num_batched_tokens`` entries.
+    ``BlockTables(block_sizes, max_num_reqs, max_num_batched_tokens, max_model_len, device)``:
+    group ``g`` has blocks of ``block_sizes[g]`` tokens and a table of ``cdiv(max_model_len,
+    block_sizes[g])`` columns; rows are request states ``0 .. max_num_reqs-1``; every slot
+    mapping has ``max_num_batched_tokens`` entries.
 
     Attributes as in vLLM: ``block_tables`` (a ``StagedWriteTensor`` per group, rows by request
     state), ``num_blocks`` (``UvaBackedTensor [num_groups, max_num_reqs]``), ``input_block_tables``
@@ -72,22 +70,15 @@ class BlockTables:
     must not move: the pointer tables hold their addresses.
     """
 
-    def __new__(cls, *args: Any, impl: str = "fast", **kwargs: Any) -> "BlockTables":
-        # The choice of kernels: impl="fast" makes the subclass that runs ours.
-        if cls is BlockTables and impl == "fast":
-            from paged_attention.v2.block_table_fast import FastBlockTables
-            cls = FastBlockTables
-        return super().__new__(cls)
+    impl = "vllm"
+    """The kernel set this class runs (``FastBlockTables``: ``"triton"``)."""
 
     def __init__(self, block_sizes: Sequence[int], max_num_reqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, device: Union[torch.device, str], *, impl: str = "fast") -> None:
+                 max_model_len: int, device: Union[torch.device, str]) -> None:
         if isinstance(block_sizes, (str, bytes)) or not isinstance(block_sizes, (Sequence, np.ndarray)):
             raise TypeError(f"block_sizes must be a list of ints (one per KV-cache group), got {block_sizes!r}")
         if len(block_sizes) == 0:
             raise ValueError("block_sizes must name at least one KV-cache group")
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        self.impl = impl
         self.block_sizes = [check_int(f"block_sizes[{i}]", b, minimum=1) for i, b in enumerate(block_sizes)]
         self.max_num_reqs = check_int("max_num_reqs", max_num_reqs, minimum=1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
@@ -145,13 +136,13 @@ class BlockTables:
         if len(new_block_ids) != self.num_kv_cache_groups:
             raise ValueError(f"new_block_ids has {len(new_block_ids)} lists but there are "
                              f"{self.num_kv_cache_groups} KV-cache groups")
-        plans = [self._plan_write(g, req, ids, overwrite) for g, ids in enumerate(new_block_ids)]
-        for g, (start, values) in enumerate(plans):     # everything checked: stage and count
+        writes = [self._checked_write(g, req, ids, overwrite) for g, ids in enumerate(new_block_ids)]
+        for g, (start, values) in enumerate(writes):    # everything checked: stage and count
             if values:
                 self.block_tables[g]._stage(req, start, values)
             self.num_blocks.np[g, req] = start + len(values)
 
-    def _plan_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
+    def _checked_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
         """``(start column, ids)`` of group ``g``'s write, checked; nothing is staged here."""
         table = self.block_tables[g]
         values = ids if type(ids) is list and all(type(v) is int for v in ids) else table.as_values(ids)
@@ -213,7 +204,7 @@ class BlockTables:
     def get_dummy_block_tables(self, num_reqs: int) -> tuple[torch.Tensor, ...]:
         """The first ``num_reqs`` rows of each input table, unchanged (the same tensors every
         time: for dummy runs and CUDA-graph capture)."""
-        num_reqs = check_count("num_reqs", num_reqs, self.max_num_reqs, "max_num_reqs")
+        num_reqs = check_int("num_reqs", num_reqs, 0, self.max_num_reqs, max_name="max_num_reqs")
         return tuple(block_table[:num_reqs] for block_table in self.input_block_tables)
 
     # ---- 4. Slot mappings -------------------------------------------------------------------------
@@ -246,7 +237,8 @@ class BlockTables:
     def get_dummy_slot_mappings(self, num_tokens: int) -> torch.Tensor:
         """Fill **all** of ``slot_mappings`` with ``PAD_SLOT_ID`` and return its first
         ``num_tokens`` columns (dummy runs: every cache write is skipped)."""
-        num_tokens = check_count("num_tokens", num_tokens, self.max_num_batched_tokens, "max_num_batched_tokens")
+        num_tokens = check_int("num_tokens", num_tokens, 0, self.max_num_batched_tokens,
+                               max_name="max_num_batched_tokens")
         self.slot_mappings.fill_(PAD_SLOT_ID)
         return self.slot_mappings[:, :num_tokens]
 
@@ -277,7 +269,7 @@ class BlockTables:
         num_reqs = int(idx_mapping.shape[0])
         if num_reqs > self.max_num_reqs:
             raise ValueError(f"idx_mapping has {num_reqs} entries, more than max_num_reqs={self.max_num_reqs}")
-        if check and num_reqs and not _capturing(self._device):
+        if check and num_reqs and not capturing(self._device):
             values = idx_mapping.cpu().numpy()
             bad = np.flatnonzero((values < 0) | (values >= self.max_num_reqs))
             if bad.size:
@@ -308,9 +300,9 @@ class BlockTables:
             n, _ = self._check_gather(idx_mapping, None, check)
             if n != num_reqs:
                 raise ValueError(f"idx_mapping has {n} entries but query_start_loc describes {num_reqs} requests")
-        num_tokens_padded = check_count("num_tokens_padded", num_tokens if num_tokens_padded is None
-                                        else num_tokens_padded, self.max_num_batched_tokens, "max_num_batched_tokens")
-        if check and not _capturing(self._device):
+        num_tokens_padded = check_int("num_tokens_padded", num_tokens if num_tokens_padded is None else num_tokens_padded,
+                                      0, self.max_num_batched_tokens, max_name="max_num_batched_tokens")
+        if check and not capturing(self._device):
             self._check_slot_values(query_start_loc, positions, num_reqs, num_tokens, idx_mapping is not None)
         return num_reqs, num_tokens, num_tokens_padded
 
@@ -340,27 +332,10 @@ class BlockTables:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(block_sizes={self.block_sizes}, max_num_reqs={self.max_num_reqs}, "
-                f"max_num_batched_tokens={self.max_num_batched_tokens}, max_model_len={self.max_model_len}, "
-                f"impl={self.impl!r})")
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured (then tensors cannot be read on the host)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                f"max_num_batched_tokens={self.max_num_batched_tokens}, max_model_len={self.max_model_len})")
 
 
 # ---- The slot-mapping grid, as a list -------------------------------------------------------------
-class SlotProgram(NamedTuple):
-    """One program of a slot-mapping launch and the slots ``[start, stop)`` it writes: ``pid``
-    its program id, ``group`` the group it writes (None: every group), ``kind`` ``"request"``
-    (one request's tokens), ``"padding"`` (the tail) or ``"tile"`` (a run of slots, any kind)."""
-    pid: tuple
-    group: Optional[int]
-    start: int
-    stop: int
-    kind: str
-
-
 def vllm_slot_programs(query_start_loc: Sequence[int], max_num_tokens: int, num_groups: int) -> list[SlotProgram]:
     """The programs of ``_compute_slot_mappings_kernel``, grid ``(num_groups, num_reqs + 1)``:
     ``(g, b)`` writes request ``b``'s slots in group ``g``; ``(g, num_reqs)`` pads the rest."""
@@ -379,16 +354,35 @@ def vllm_slot_programs(query_start_loc: Sequence[int], max_num_tokens: int, num_
     return programs
 
 
+# ---- The gather's result, cell by cell --------------------------------------------------------------
+def gather_kinds(num_blocks: Any, idx_mapping: Any, gathered: Any) -> list[list[str]]:
+    """What each cell of the gathered (batch-ordered) table is, row by row:
+
+    * ``"copied"``: column ``< num_blocks[idx_mapping[b]]``: copied from the request's row now;
+    * ``"stale"``: past that count but not zero: left from an earlier step (the gather copies
+      only ``num_blocks`` columns, as vLLM does: attention never reads them);
+    * ``"empty"``: past the count and zero;
+    * ``"padding"``: a row ``b >= len(idx_mapping)`` (``num_reqs_padded``), zeroed.
+    """
+    counts = check_int_list("num_blocks", num_blocks)
+    idx = check_int_list("idx_mapping", idx_mapping)
+    table = check_int_array("gathered", gathered, 2)
+    if len(idx) > table.shape[0]:
+        raise ValueError(f"idx_mapping has {len(idx)} entries but gathered has {table.shape[0]} rows")
+    for b, s in enumerate(idx):
+        if not 0 <= s < len(counts):
+            raise IndexError(f"idx_mapping[{b}] = {s} names no request state (0..{len(counts) - 1})")
+    kinds = []
+    for b, row in enumerate(table.tolist()):
+        if b >= len(idx):
+            kinds.append(["padding"] * len(row))
+            continue
+        n = counts[idx[b]]
+        kinds.append(["copied" if c < n else "stale" if v != 0 else "empty" for c, v in enumerate(row)])
+    return kinds
+
+
 # ---- Kernels --------------------------------------------------------------------------------------
-@triton.jit
-def _load_ptr(ptr_to_ptr, elem_dtype):
-    # A pointer table holds addresses as uint64: load one and make it a typed pointer again.
-    ptr = tl.load(ptr_to_ptr)
-    ptr = tl.cast(ptr, tl.pointer_type(elem_dtype))
-    # Device allocations are aligned (256 bytes in torch): tell the compiler it may vectorise.
-    return tl.multiple_of(ptr, 16)
-
-
 @triton.jit(do_not_specialize=["num_reqs"])
 def _gather_block_tables_kernel(
     batch_idx_to_req_idx,     # [num_reqs]: the request state of each batch position
@@ -404,7 +398,7 @@ def _gather_block_tables_kernel(
     group_id = tl.program_id(0)
     batch_idx = tl.program_id(1)
     stride = tl.load(block_table_strides + group_id)
-    dst_row_ptr = _load_ptr(dst_block_table_ptrs + group_id, tl.int32) + batch_idx * stride
+    dst_row_ptr = load_ptr(dst_block_table_ptrs + group_id, tl.int32) + batch_idx * stride
     if batch_idx >= num_reqs:
         # A padded row: zeroed over this group's own width.
         for i in range(0, stride, BLOCK_SIZE):
@@ -414,7 +408,7 @@ def _gather_block_tables_kernel(
     req_idx = tl.load(batch_idx_to_req_idx + batch_idx)
     # num_blocks[group_id, req_idx]: how many columns of that request's row are real.
     num_blocks = tl.load(num_blocks_ptr + group_id * num_blocks_stride + req_idx)
-    src_row_ptr = _load_ptr(src_block_table_ptrs + group_id, tl.int32) + req_idx * stride
+    src_row_ptr = load_ptr(src_block_table_ptrs + group_id, tl.int32) + req_idx * stride
     for i in tl.range(0, num_blocks, BLOCK_SIZE):
         offset = i + tl.arange(0, BLOCK_SIZE)
         block_ids = tl.load(src_row_ptr + offset, mask=offset < num_blocks)
@@ -449,7 +443,7 @@ def _compute_slot_mappings_kernel(
             tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < max_num_tokens)
         return
 
-    block_table_ptr = _load_ptr(block_table_ptrs + group_id, tl.int32)
+    block_table_ptr = load_ptr(block_table_ptrs + group_id, tl.int32)
     block_table_stride = tl.load(block_table_strides + group_id)
     page_size = tl.load(page_sizes + group_id)
     if HAS_IDX_MAPPING:

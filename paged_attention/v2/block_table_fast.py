@@ -1,5 +1,5 @@
-"""Our faster kernels for v2's block tables: ``FastBlockTables``, what ``BlockTables(...)`` makes
-by default (``impl="fast"``).
+"""Our faster kernels for v2's block tables: ``FastBlockTables``, a ``BlockTables`` that runs them
+(``make_block_tables(..., impl="triton")``, the default there).
 
 The same tables, the same results; what changes is how the work is cut into launches and
 programs. These kernels move a few KB to a few MB, so they are latency-bound: what they cost is
@@ -29,15 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_attention.kernels.triton.launch import Launcher
+from paged_attention.triton_launch import Launcher
 from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, is_int, next_power_of_2
-from paged_attention.v2.block_table import BlockTables, SlotProgram, _capturing, _load_ptr
+from paged_attention.v2.block_table import BlockTables
 from paged_attention.v2.buffers import UvaBufferPool
+from paged_attention.v2.common import SlotProgram, capturing, load_ptr
 
 
 class FastBlockTables(BlockTables):
-    """``BlockTables`` with our kernels (see the module docstring); made by ``BlockTables(...,
-    impl="fast")``, the default.
+    """``BlockTables`` with our kernels (see the module docstring): the same constructor, the same
+    results.
 
     Launch shapes (attributes, so a benchmark can sweep them): big tiles in the interpreter (it
     pays per program and per operation, hardly per element), small ones on a GPU (more programs
@@ -46,11 +47,11 @@ class FastBlockTables(BlockTables):
     and ``gather_block_cols`` columns per gather tile, ``slot_block_tokens`` slots per tile.
     """
 
+    impl = "triton"
+
     def __init__(self, block_sizes: Sequence[int], max_num_reqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, device: Union[torch.device, str], *, impl: str = "fast") -> None:
-        if impl != "fast":
-            raise ValueError(f"FastBlockTables runs impl='fast', got {impl!r}: use BlockTables(..., impl={impl!r})")
-        super().__init__(block_sizes, max_num_reqs, max_num_batched_tokens, max_model_len, device, impl="fast")
+                 max_model_len: int, device: Union[torch.device, str]) -> None:
+        super().__init__(block_sizes, max_num_reqs, max_num_batched_tokens, max_model_len, device)
         # One packed buffer of all groups' staged writes, read by the apply through UVA; it
         # grows (rarely) when a step stages more values than it holds.
         self._write_pool: Optional[UvaBufferPool] = None
@@ -147,24 +148,24 @@ class FastBlockTables(BlockTables):
         graphs must then be captured again."""
         buf, n = packed
         num_counts = self.num_blocks.np.size
-        capturing = _capturing(self._device)
-        if capturing:
+        captured = capturing(self._device)
+        if captured:
             rows = self.capture_write_rows
             num_write_programs = min(self.capture_write_programs, cdiv(self._max_writes, rows))
         else:
             rows = self.write_rows
             num_write_programs = cdiv(n, rows)
-        launch = self._once(("apply", capturing, rows, self.write_block, self.counts_block), lambda: Launcher(
+        launch = self._once(("apply", captured, rows, self.write_block, self.counts_block), lambda: Launcher(
             _apply_block_table_writes_kernel, ("packed_ptr", "num_write_programs"),
             max_writes=self._max_writes, table_ptrs=self.block_table_ptrs, table_strides=self.block_table_strides,
             counts_dst=self._num_blocks_device, num_counts=num_counts, NUM_GROUPS=self.num_kv_cache_groups,
-            WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=capturing))
+            WRITES_PER_PROGRAM=rows, BLOCK_SIZE=self.write_block, COUNTS_BLOCK=self.counts_block, STRIDED=captured))
         launch((num_write_programs + cdiv(num_counts, self.counts_block),), buf, num_write_programs)
 
     def _once(self, key: tuple, make: Callable[[], object]) -> object:
         """What ``make()`` made for ``key`` the first time. Keys name a kernel's ``Launcher`` with
         the tile attributes it is built with (later launches skip Triton's argument binding, and
-        this object's fixed arguments are not gathered again: see ``kernels.triton.launch``), or
+        this object's fixed arguments are not gathered again: see ``paged_attention.triton_launch``), or
         a view handed back (slicing a tensor costs microseconds of host time, every step)."""
         made = self._made.get(key)
         if made is None:
@@ -390,8 +391,8 @@ def _gather_rows(row_tile, group_id, idx_mapping, src_block_table_ptrs, dst_bloc
     # Columns to write per row: the request's count, or a padded row's whole width (zeros: its
     # loads below are masked off).
     ncols = tl.where(real, n, tl.where(padded, stride, 0))
-    src_row = _load_ptr(src_block_table_ptrs + group_id, tl.int32) + req.to(tl.int64) * stride
-    dst_row = _load_ptr(dst_block_table_ptrs + group_id, tl.int32) + b.to(tl.int64) * stride
+    src_row = load_ptr(src_block_table_ptrs + group_id, tl.int32) + req.to(tl.int64) * stride
+    dst_row = load_ptr(dst_block_table_ptrs + group_id, tl.int32) + b.to(tl.int64) * stride
     for c in range(0, tl.max(ncols, axis=0), BLOCK_COLS):
         cols = c + tl.arange(0, BLOCK_COLS)
         mask = cols[None, :] < ncols[:, None]
@@ -465,7 +466,7 @@ def _slot_tile(tile, num_reqs, num_positions, max_num_tokens, max_num_reqs, idx_
     row = row.to(tl.int64)
     real_row = real & (row >= 0) & (row < max_num_reqs)              # never leave the tables
     for g in tl.static_range(NUM_GROUPS):
-        table = _load_ptr(block_table_ptrs + g, tl.int32)
+        table = load_ptr(block_table_ptrs + g, tl.int32)
         stride = tl.load(block_table_strides + g)
         page_size = tl.load(page_sizes + g)
         block_indices = positions // page_size                  # column of the token's block

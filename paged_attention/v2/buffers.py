@@ -27,7 +27,7 @@ copied, so the buffers are unchanged after a failed call. vLLM asserts some of t
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from paged_attention import runtime
-from paged_attention.utils import check_device, is_int
+from paged_attention.utils import check_device, check_int_array, check_int_list, is_int
 
 Size = Union[int, Sequence[int]]
 
@@ -574,6 +574,56 @@ class StagedWriteTensor:
     def __repr__(self) -> str:
         return (f"StagedWriteTensor(shape={tuple(self.gpu.shape)}, dtype={self.dtype}, "
                 f"staged={self.num_staged_writes})")
+
+
+# ---- The apply, as numpy computes it ------------------------------------------------------------
+class StagedWrite(NamedTuple):
+    """One staged write: row ``row`` from element ``start`` on becomes ``ids``."""
+    row: int
+    start: int
+    ids: tuple
+
+
+def check_staged_writes(writes: Any, shape: tuple[int, int]) -> list[StagedWrite]:
+    """``writes`` (a list of ``(row, start, ids)``) checked against a table of ``shape``, as
+    ``StagedWrite``s: TypeError for a malformed write, IndexError for a row outside the table,
+    ValueError for ids past a row's end or overlapping writes (the kernel applies writes in no
+    order, so overlapping ones would have no defined result)."""
+    if isinstance(writes, (str, bytes)) or not isinstance(writes, (list, tuple)):
+        raise TypeError(f"writes must be a list of (row, start, ids), got {writes!r}")
+    rows, cols = shape
+    out: list[StagedWrite] = []
+    taken: dict[int, list[tuple[int, int]]] = {}
+    for k, w in enumerate(writes):
+        if not isinstance(w, (tuple, list)) or len(w) != 3:
+            raise TypeError(f"writes[{k}] must be (row, start, ids), got {w!r}")
+        row, start, ids = w
+        if not is_int(row) or not is_int(start):
+            raise TypeError(f"writes[{k}]: row and start must be ints, got {row!r}, {start!r}")
+        ids = tuple(check_int_list(f"writes[{k}].ids", ids))
+        if not 0 <= row < rows:
+            raise IndexError(f"writes[{k}]: row {row} is outside the rows 0..{rows - 1}")
+        if start < 0 or start + len(ids) > cols:
+            raise ValueError(f"writes[{k}]: {len(ids)} ids from column {start} do not fit a row of {cols} columns")
+        end = start + len(ids)
+        for s, e in taken.get(row, ()):
+            if ids and start < e and s < end:
+                raise ValueError(f"writes[{k}] overlaps an earlier write to row {row} (columns {s}..{e - 1}): the "
+                                 f"kernel runs writes in no order, so the result would be undefined")
+        if ids:
+            taken.setdefault(int(row), []).append((int(start), end))
+        out.append(StagedWrite(int(row), int(start), ids))
+    return out
+
+
+def apply_writes(table: Any, writes: Any) -> np.ndarray:
+    """What ``apply_write()`` makes of ``table`` (a 2-D array), computed with numpy: a copy with
+    every write applied. Cells no write covers keep their values. Overlapping writes raise
+    ValueError (the kernel applies them in no order, so their result is undefined)."""
+    out = check_int_array("table", table, 2).copy()
+    for row, start, ids in check_staged_writes(writes, out.shape):
+        out[row, start:start + len(ids)] = ids
+    return out
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from paged_attention.viz.manager import (
     request_color,
 )
 from paged_attention.viz.kv_cache import (
-    KVPage, draw_element_order, draw_raw_to_views, draw_shared_tensors, element_order, kv_dim_of, kv_pages,
+    KVPage, draw_element_order, draw_raw_to_views, draw_shared_tensors, kv_dim_of, kv_pages,
 )
 from paged_attention.viz.engine import ENGINE_SYSTEMS, draw_engine_throughput
 from paged_attention.viz.memory import draw_waste_breakdown
@@ -30,8 +30,8 @@ from paged_attention.viz.v1 import (
     draw_slot_mapping_arrows, draw_slot_mapping_times, request_kinds, snapshot_rows,
 )
 from paged_attention.viz.v2 import (
-    StagedWrite, UvaSnapshot, apply_writes, draw_gather, draw_slot_mapping_grid, draw_staged_writes,
-    draw_uva_counters, draw_v2_step_times, gather_kinds, snapshot_uva, staged_writes,
+    StagedWrite, UvaSnapshot, draw_gather, draw_slot_mapping_grid, draw_staged_writes, draw_uva_counters,
+    draw_v2_step_times, snapshot_uva, staged_writes,
 )
 
 __all__ = [
@@ -46,8 +46,8 @@ __all__ = [
     "CATEGORY_COLORS", "IMPL_COLORS", "SEQ_COLORS", "seq_color",
     "RowsSnapshot", "snapshot_rows", "cell_kinds", "draw_row_history", "request_kinds",
     "draw_slot_mapping_arrows", "draw_dcp_ownership", "draw_kernel_blocks", "draw_slot_mapping_times",
-    "StagedWrite", "staged_writes", "apply_writes", "draw_staged_writes", "UvaSnapshot", "snapshot_uva",
-    "draw_uva_counters", "gather_kinds", "draw_gather", "draw_slot_mapping_grid", "draw_v2_step_times",
-    "KVPage", "kv_pages", "kv_dim_of", "draw_raw_to_views", "element_order", "draw_element_order",
+    "StagedWrite", "staged_writes", "draw_staged_writes", "UvaSnapshot", "snapshot_uva",
+    "draw_uva_counters", "draw_gather", "draw_slot_mapping_grid", "draw_v2_step_times",
+    "KVPage", "kv_pages", "kv_dim_of", "draw_raw_to_views", "draw_element_order",
     "draw_shared_tensors", "ENGINE_SYSTEMS", "draw_engine_throughput",
 ]

@@ -14,11 +14,8 @@ from paged_attention.kernels.layout import (
     CHUNK_BYTES, WARP_SIZE, OnlineSoftmaxStep, ThreadMapping, online_softmax_steps, v0_key_offset, v0_value_offset,
     v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
-from paged_attention.utils import cdiv
-from paged_attention.viz.style import (
-    EDGE_COLOR, LANE_COLORS, MUTED_COLOR, is_int, new_axes, plot_times, positive_int, seq_color,
-    times_series,
-)
+from paged_attention.utils import cdiv, check_int, is_int
+from paged_attention.viz.style import EDGE_COLOR, LANE_COLORS, MUTED_COLOR, new_axes, plot_times, seq_color, times_series
 
 __all__ = [
     "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times", "draw_decode_bandwidth",
@@ -57,9 +54,9 @@ def draw_v0_key_layout(head_size: int = 16, block_size: int = 4, x: int = 4, ax:
     ``[head_size, block_size]``, tokens innermost. Both strips wrap every ``block_size * x``
     elements; the number left of a row is the memory offset of its first element.
     """
-    head_size = positive_int("head_size", head_size)
-    block_size = positive_int("block_size", block_size)
-    x = positive_int("x", x)
+    head_size = check_int("head_size", head_size, 1)
+    block_size = check_int("block_size", block_size, 1)
+    x = check_int("x", x, 1)
     if head_size % x:
         raise ValueError(f"head_size ({head_size}) must be a multiple of x ({x})")
     if head_size * block_size > _MAX_CELLS:
@@ -236,9 +233,9 @@ def draw_v2_partitions(seq_len: int = 1400, partition_size: int = 512, block_siz
     computes its maximum logit ``m_p``, exp-sum ``s_p`` and locally normalised output ``o_p``;
     at the bottom, the reduce kernel's formula.
     """
-    seq_len = positive_int("seq_len", seq_len)
-    partition_size = positive_int("partition_size", partition_size)
-    block_size = positive_int("block_size", block_size)
+    seq_len = check_int("seq_len", seq_len, 1)
+    partition_size = check_int("partition_size", partition_size, 1)
+    block_size = check_int("block_size", block_size, 1)
     if partition_size % block_size:
         raise ValueError(f"partition_size ({partition_size}) must be a multiple of block_size "
                          f"({block_size}): a partition is a whole number of KV blocks")

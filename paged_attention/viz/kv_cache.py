@@ -2,8 +2,8 @@
 
 * ``kv_pages`` / ``draw_raw_to_views``: where each (K or V, block) page of a layer's view lies
   in its raw int8 buffer, read from the view's own strides;
-* ``element_order`` / ``draw_element_order``: the memory order of the elements of one block's
-  K page under the NHD and HND layouts, computed by the library's reshape;
+* ``draw_element_order``: the memory order of the elements of one block's K page under the NHD
+  and HND layouts (``kv_cache.attn_utils.element_order``, computed by the library's reshape);
 * ``draw_shared_tensors``: which layers use which raw buffer (hybrid models, KV sharing).
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, positive_int, seq_color
+from paged_attention.kv_cache.attn_utils import element_order
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, seq_color
 
 K_COLOR, V_COLOR = "#4C78A8", "#F58518"
 
@@ -78,33 +78,6 @@ def draw_raw_to_views(raw: torch.Tensor, views: dict[str, torch.Tensor], kv_dims
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
     return ax
-
-
-def element_order(block_size: int, num_kv_heads: int, head_size: int, layout: str) -> np.ndarray:
-    """``[block_size, num_kv_heads, head_size]``: the position in memory (in elements, from the
-    start of the page) of each element of block 0's K page, for FlashInfer's view (any block
-    size; FlashAttention orders a page the same way) under
-    ``layout``, as the library's ``_reshape_kv_cache`` lays it out."""
-    from paged_attention.kv_cache import attn_utils as au
-    from paged_attention.kv_cache.backends import FlashInferBackend
-    from paged_attention.kv_cache.interface import (
-        FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor)
-
-    for name, value in (("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                        ("head_size", head_size)):
-        positive_int(name, value)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
-                             head_size=head_size, dtype=torch.float32)
-    config = KVCacheConfig(1, [KVCacheTensor(spec.page_size_bytes, ["layer.0"])],
-                           [KVCacheGroupSpec(["layer.0"], spec)])
-    raw = torch.zeros(spec.page_size_bytes, dtype=torch.int8)
-    view = au._reshape_kv_cache(config, {"layer.0": raw}, {"layer.0": FlashInferBackend},
-                                layout)["layer.0"]
-    page = view[0, 0]                                      # block 0, K: [block_size, H, D]
-    idx = [torch.arange(n).view(*[-1 if i == d else 1 for i in range(3)])
-           for d, n in enumerate(page.shape)]
-    offsets = sum(i * s for i, s in zip(idx, page.stride()))
-    return (offsets + (page.data_ptr() - raw.data_ptr()) // page.element_size()).numpy()
 
 
 def draw_element_order(block_size: int, num_kv_heads: int, head_size: int, layout: str,

@@ -16,8 +16,8 @@ from typing import Any
 
 from matplotlib.patches import Rectangle
 
-from paged_attention.utils import as_list, cdiv, check_block_table, slot_mapping
-from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, is_int, new_axes, seq_color
+from paged_attention.utils import as_list, cdiv, check_block_table, is_int, slot_mapping
+from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, seq_color
 
 __all__ = ["draw_block_table", "draw_slot_mapping", "slot_mapping"]
 

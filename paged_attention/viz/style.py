@@ -9,8 +9,6 @@ import math
 from numbers import Real
 from typing import Any
 
-from paged_attention.utils import check_int, is_int
-
 # The four kinds of KV-cache memory (keys match ``memory_sim.CATEGORIES``).
 CATEGORY_COLORS: dict[str, str] = {
     "token_states": "#4C78A8",            # blue: useful
@@ -66,35 +64,6 @@ def new_axes(ax: Any, figsize: tuple[float, float]) -> Any:
     return ax
 
 
-def positive_int(name: str, value: Any) -> int:
-    """A size a drawing takes: an int >= 1 (``utils.check_int``). A drawing refuses a wrong size
-    of any kind with a ValueError: to its reader a size of 2.5 is a wrong value."""
-    try:
-        return check_int(name, value, 1)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-
-
-def int_list(value: Any, name: str) -> list[int]:
-    """A list of ints from a list, tuple, range, numpy array or tensor (through ``.tolist()``)."""
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list, a numpy array or a tensor, got {type(value).__name__}")
-    for k, v in enumerate(value):
-        if not is_int(v):
-            raise TypeError(f"{name}[{k}] must be an int, got {v!r}")
-    return [int(v) for v in value]
-
-
-def positive_int_list(value: Any, name: str) -> list[int]:
-    """``int_list``, which must also be non-empty and hold only positive ints (sizes on an axis)."""
-    values = int_list(value, name)
-    if not values:
-        raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
-    return [check_int(f"{name}[{k}]", v, 1) for k, v in enumerate(values)]
-
-
 def snapshot_list(snapshots: Any, kind: type, made_by: str) -> list:
     """``snapshots`` (one, or a non-empty list) as a list of ``kind``, else a clear error
     naming the function that makes them (``made_by``)."""
@@ -111,10 +80,12 @@ def snapshot_list(snapshots: Any, kind: type, made_by: str) -> list:
 def times_series(times_us: Any, num_points: int, what: str, allow_gaps: bool = False) -> dict[str, list[float]]:
     """Check a benchmark's ``{implementation: [time per point]}`` and return it as floats.
 
-    Every list must have one time per point (``what`` names the points in the error), each a
-    positive finite number; with ``allow_gaps``, ``None`` or NaN may stand for a point an
-    implementation cannot run, and becomes NaN (a gap in the line).
+    There must be at least one point, and every list must have one time per point (``what``
+    names the points in the error), each a positive finite number; with ``allow_gaps``, ``None``
+    or NaN may stand for a point an implementation cannot run, and becomes NaN (a gap in the line).
     """
+    if num_points < 1:
+        raise ValueError(f"a plot of times needs at least one of the {what}, got none")
     if not isinstance(times_us, dict) or not times_us:
         raise ValueError("times_us must be a non-empty dict of implementation name -> times")
     series = {}

@@ -22,12 +22,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-from paged_attention.utils import PAD_SLOT_ID, cdiv
+from paged_attention.utils import PAD_SLOT_ID, cdiv, check_int, check_int_list, is_int
 from paged_attention.v1.block_table import BlockTable
 from paged_attention.v1.reference import dcp_local_position, dcp_owner_rank
 from paged_attention.viz.style import (
-    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, positive_int_list, seq_color,
-    snapshot_list, times_series,
+    EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color, snapshot_list, times_series,
 )
 
 STALE_COLOR = "#E45756"   # ids past a row's count: nothing reads them, but they are there
@@ -132,7 +131,7 @@ def draw_row_history(snapshots: Any, ax: Any = None, per_line: int = 3, title: s
     snapshot has ``num_reqs``, a dashed line closes the rows that step commits to the GPU.
     """
     snapshots = _checked_snapshots(snapshots)
-    per_line = positive_int("per_line", per_line)
+    per_line = check_int("per_line", per_line, 1)
     colors = request_colors(snapshots)
     num_rows, num_cols = len(snapshots[0].table), len(snapshots[0].table[0])
     label_w, count_w, cell_h = 2.4, 1.3, 0.8
@@ -210,8 +209,8 @@ def request_kinds(req_indices: Any, positions: Any) -> dict[int, str]:
     A request that schedules exactly one token, past position 0, is decoding (its prompt is in
     the cache already); anything else is a prefill: a whole prompt, or a chunk of one.
     """
-    rows = int_list(req_indices, "req_indices")
-    pos = int_list(positions, "positions")
+    rows = check_int_list("req_indices", req_indices)
+    pos = check_int_list("positions", positions)
     if len(rows) != len(pos):
         raise ValueError(f"req_indices and positions must have the same length, got {len(rows)} and {len(pos)}")
     tokens: dict[int, list[int]] = {}
@@ -233,10 +232,10 @@ def draw_slot_mapping_arrows(req_indices: Any, positions: Any, slots: Any, block
     whose slot is ``PAD_SLOT_ID`` (-1: another DCP rank stores it) is hatched and has no arrow.
     ``requests`` names the request in each row (default: ``row r``).
     """
-    rows = int_list(req_indices, "req_indices")
-    pos = int_list(positions, "positions")
-    slot_ids = int_list(slots, "slots")
-    block_size = positive_int("block_size", block_size)
+    rows = check_int_list("req_indices", req_indices)
+    pos = check_int_list("positions", positions)
+    slot_ids = check_int_list("slots", slots)
+    block_size = check_int("block_size", block_size, 1)
     if not len(rows) == len(pos) == len(slot_ids):
         raise ValueError(f"req_indices, positions and slots must have the same length, "
                          f"got {len(rows)}, {len(pos)} and {len(slot_ids)}")
@@ -335,10 +334,10 @@ def draw_dcp_ownership(num_positions: int, dcp_world_size: int, interleave: int,
     dcp_world_size`` positions of "virtual block" ``j`` (marked on top), of which each rank
     stores ``block_size``, packed densely in its own block ``j``, drawn under that span.
     """
-    n = positive_int("num_positions", num_positions)
-    world = positive_int("dcp_world_size", dcp_world_size)
-    step = positive_int("interleave", interleave)
-    B = positive_int("block_size", block_size)
+    n = check_int("num_positions", num_positions, 1)
+    world = check_int("dcp_world_size", dcp_world_size, 1)
+    step = check_int("interleave", interleave, 1)
+    B = check_int("block_size", block_size, 1)
     if world > 1 and B % step:
         raise ValueError(f"with DCP the interleave size ({step}) must divide the block size ({B})")
     virtual = B * world
@@ -400,11 +399,11 @@ def draw_kernel_blocks(manager_block_ids: Any, block_size: int, kernel_block_siz
     ``b*bpk .. b*bpk + bpk-1`` (``BlockTable.map_to_kernel_blocks``). With ``position``, that
     token is marked in both, with its slot computed both ways (they are the same slot).
     """
-    ids = int_list(manager_block_ids, "manager_block_ids")
+    ids = check_int_list("manager_block_ids", manager_block_ids)
     if not ids or min(ids) < 0:
         raise ValueError(f"manager_block_ids must be a non-empty list of block ids >= 0, got {ids!r}")
-    bs = positive_int("block_size", block_size)
-    kb = positive_int("kernel_block_size", kernel_block_size)
+    bs = check_int("block_size", block_size, 1)
+    kb = check_int("kernel_block_size", kernel_block_size, 1)
     if bs % kb:
         raise ValueError(f"kernel_block_size {kb} must divide block_size {bs} evenly")
     bpk = bs // kb
@@ -462,7 +461,7 @@ def draw_slot_mapping_times(num_tokens: Sequence[int], times_us: dict[str, Seque
                             title: str | None = None) -> Any:
     """Time per call (µs) against the number of tokens in the step, one line per
     implementation (``bench.slot_mapping_times``'s result). Both axes are logarithmic."""
-    tokens = positive_int_list(num_tokens, "num_tokens")
+    tokens = check_int_list("num_tokens", num_tokens, 1)
     series = times_series(times_us, len(tokens), "token counts")
     return plot_times(new_axes(ax, figsize=(6.0, 4.0)), tokens, series, "tokens in the step",
                       "time per call (µs, log scale)",

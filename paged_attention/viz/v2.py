@@ -1,14 +1,15 @@
 """Drawing the model runner v2's block tables: staged writes, UVA counts, the gather, the slot-mapping grid.
 
-* ``staged_writes`` + ``apply_writes`` + ``draw_staged_writes``: the ``(row, start, ids)``
-  writes a ``StagedWriteTensor`` holds on the host, and the table before and after
-  ``apply_write()`` has run them, one Triton program per write, in one launch.
+* ``staged_writes`` + ``draw_staged_writes``: the ``(row, start, ids)`` writes a
+  ``StagedWriteTensor`` holds on the host, and the table before and after ``apply_write()`` has
+  run them, one Triton program per write, in one launch (``v2.buffers.apply_writes``: the same
+  in numpy).
 * ``snapshot_uva`` + ``draw_uva_counters``: a ``UvaBackedTensor`` (the per-request block counts)
   at several moments: the host array Python edits, the pool's pinned buffers, and which one
   ``.gpu`` (what kernels are given) points to.
-* ``gather_kinds`` + ``draw_gather``: the persistent rows (one per request state) and the
-  batch-ordered rows ``gather_block_tables`` fills through ``idx_mapping``, with an arrow per
-  batch row, stale columns and padded rows marked.
+* ``draw_gather``: the persistent rows (one per request state) and the batch-ordered rows
+  ``gather_block_tables`` fills through ``idx_mapping``, with an arrow per batch row, stale
+  columns and padded rows marked (``v2.block_table.gather_kinds`` says which is which).
 * ``draw_slot_mapping_grid``: which tokens each program of ``compute_slot_mappings`` handles
   (the grids ``vllm_slot_programs`` and ``fast_slot_programs`` of ``paged_attention.v2`` list):
   vLLM's one program per (group, request) plus a padding program per group, and our
@@ -18,35 +19,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
 from paged_attention.v2.block_table import vllm_slot_programs
 from paged_attention.v2.block_table_fast import fast_slot_programs
-from paged_attention.v2.buffers import StagedWriteTensor, UvaBackedTensor
+from paged_attention.v2.block_table import gather_kinds
+from paged_attention.v2.buffers import (StagedWrite, StagedWriteTensor, UvaBackedTensor, apply_writes,
+                                        check_staged_writes)
+from paged_attention.utils import check_int, check_int_array, check_int_list
 from paged_attention.viz.style import (
-    EDGE_COLOR, MUTED_COLOR, int_list, is_int, new_axes, plot_times, positive_int, positive_int_list, seq_color,
-    snapshot_list, times_series,
+    EDGE_COLOR, MUTED_COLOR, new_axes, plot_times, seq_color, snapshot_list, times_series,
 )
 
 STALE_COLOR = "#E45756"     # ids past a row's count (nothing reads them, but they are there)
 STALE_HATCH = "////"
 PADDING_COLOR = "#DDDDDD"   # padded rows and padded tokens
 UNPUBLISHED_COLOR = "#EECA3B"   # host values the GPU cannot see yet
-
-
-def _int_table(value: Any, name: str) -> np.ndarray:
-    """A 2-D int64 array from a nested list, numpy array or tensor (moved to the host)."""
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    array = np.asarray(value)
-    if array.ndim != 2:
-        raise ValueError(f"{name} must be 2-D (rows x columns), got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
-    return array.astype(np.int64)
 
 
 def _cell(ax: Any, x: float, y: float, value: int | None, face: str, alpha: float, gid: str, *,
@@ -65,57 +56,12 @@ def _cell(ax: Any, x: float, y: float, value: int | None, face: str, alpha: floa
 # 1. Staged writes: a list on the host, one launch on the device
 # --------------------------------------------------------------------------------------------
 
-class StagedWrite(NamedTuple):
-    """One staged write: row ``row`` from element ``start`` on becomes ``ids``."""
-    row: int
-    start: int
-    ids: tuple
-
-
 def staged_writes(tensor: StagedWriteTensor) -> list[StagedWrite]:
     """The writes ``tensor`` holds now, in the order they were staged (nothing is applied or
     cleared): what its next ``apply_write()`` hands to the kernel, one program each."""
     if not isinstance(tensor, StagedWriteTensor):
         raise TypeError(f"tensor must be a StagedWriteTensor, got {type(tensor).__name__}")
     return [StagedWrite(int(row), int(start), ids) for row, start, ids in tensor.staged_writes()]
-
-
-def _checked_writes(writes: Any, shape: tuple[int, int]) -> list[StagedWrite]:
-    if isinstance(writes, (str, bytes)) or not isinstance(writes, (list, tuple)):
-        raise TypeError(f"writes must be a list of (row, start, ids), got {writes!r}")
-    rows, cols = shape
-    out: list[StagedWrite] = []
-    taken: dict[int, list[tuple[int, int]]] = {}
-    for k, w in enumerate(writes):
-        if not isinstance(w, (tuple, list)) or len(w) != 3:
-            raise TypeError(f"writes[{k}] must be (row, start, ids), got {w!r}")
-        row, start, ids = w
-        if not is_int(row) or not is_int(start):
-            raise TypeError(f"writes[{k}]: row and start must be ints, got {row!r}, {start!r}")
-        ids = tuple(int_list(ids, f"writes[{k}].ids"))
-        if not 0 <= row < rows:
-            raise IndexError(f"writes[{k}]: row {row} is outside the rows 0..{rows - 1}")
-        if start < 0 or start + len(ids) > cols:
-            raise ValueError(f"writes[{k}]: {len(ids)} ids from column {start} do not fit a row of {cols} columns")
-        end = start + len(ids)
-        for s, e in taken.get(row, ()):
-            if ids and start < e and s < end:
-                raise ValueError(f"writes[{k}] overlaps an earlier write to row {row} (columns {s}..{e - 1}): the "
-                                 f"kernel runs writes in no order, so the result would be undefined")
-        if ids:
-            taken.setdefault(int(row), []).append((int(start), end))
-        out.append(StagedWrite(int(row), int(start), ids))
-    return out
-
-
-def apply_writes(table: Any, writes: Any) -> np.ndarray:
-    """What ``apply_write()`` makes of ``table`` (a 2-D array), computed with numpy: a copy with
-    every write applied. Cells no write covers keep their values. Overlapping writes raise
-    ValueError (the kernel applies them in no order, so their result is undefined)."""
-    out = _int_table(table, "table").copy()
-    for row, start, ids in _checked_writes(writes, out.shape):
-        out[row, start:start + len(ids)] = ids
-    return out
 
 
 def draw_staged_writes(writes: Any, before: Any, after: Any = None, ax: Any = None, title: str | None = None) -> Any:
@@ -127,9 +73,9 @@ def draw_staged_writes(writes: Any, before: Any, after: Any = None, ax: Any = No
     defaults to ``apply_writes(before, writes)``; pass the tensor the kernel produced to draw
     that instead.
     """
-    before_t = _int_table(before, "before")
-    writes = _checked_writes(writes, before_t.shape)
-    after_t = apply_writes(before_t, writes) if after is None else _int_table(after, "after")
+    before_t = check_int_array("before", before, 2)
+    writes = check_staged_writes(writes, before_t.shape)
+    after_t = apply_writes(before_t, writes) if after is None else check_int_array("after", after, 2)
     if after_t.shape != before_t.shape:
         raise ValueError(f"after has shape {after_t.shape}, before {before_t.shape}")
     rows, cols = before_t.shape
@@ -311,33 +257,6 @@ def draw_uva_counters(snapshots: Any, row_labels: Sequence[str] | None = None, a
 # 3. The gather: batch rows from request-state rows through idx_mapping
 # --------------------------------------------------------------------------------------------
 
-def gather_kinds(num_blocks: Any, idx_mapping: Any, gathered: Any) -> list[list[str]]:
-    """What each cell of the gathered (batch-ordered) table is, row by row:
-
-    * ``"copied"``: column ``< num_blocks[idx_mapping[b]]``: copied from the request's row now;
-    * ``"stale"``: past that count but not zero: left from an earlier step (the gather copies
-      only ``num_blocks`` columns, as vLLM does: attention never reads them);
-    * ``"empty"``: past the count and zero;
-    * ``"padding"``: a row ``b >= len(idx_mapping)`` (``num_reqs_padded``), zeroed.
-    """
-    counts = int_list(num_blocks, "num_blocks")
-    idx = int_list(idx_mapping, "idx_mapping")
-    table = _int_table(gathered, "gathered")
-    if len(idx) > table.shape[0]:
-        raise ValueError(f"idx_mapping has {len(idx)} entries but gathered has {table.shape[0]} rows")
-    for b, s in enumerate(idx):
-        if not 0 <= s < len(counts):
-            raise IndexError(f"idx_mapping[{b}] = {s} names no request state (0..{len(counts) - 1})")
-    kinds = []
-    for b, row in enumerate(table.tolist()):
-        if b >= len(idx):
-            kinds.append(["padding"] * len(row))
-            continue
-        n = counts[idx[b]]
-        kinds.append(["copied" if c < n else "stale" if v != 0 else "empty" for c, v in enumerate(row)])
-    return kinds
-
-
 def _request_names(requests: Any, count: int) -> dict[int, str]:
     if requests is None:
         return {}
@@ -361,10 +280,10 @@ def draw_gather(persistent: Any, num_blocks: Any, idx_mapping: Any, gathered: An
     copied ones in the colour of the request they came from, stale ones hatched, padded rows
     grey. ``requests`` names the request in each state (a list by state, or a dict).
     """
-    src = _int_table(persistent, "persistent")
-    dst = _int_table(gathered, "gathered")
-    counts = int_list(num_blocks, "num_blocks")
-    idx = int_list(idx_mapping, "idx_mapping")
+    src = check_int_array("persistent", persistent, 2)
+    dst = check_int_array("gathered", gathered, 2)
+    counts = check_int_list("num_blocks", num_blocks)
+    idx = check_int_list("idx_mapping", idx_mapping)
     if len(counts) != src.shape[0]:
         raise ValueError(f"num_blocks has {len(counts)} counts but persistent has {src.shape[0]} rows")
     if src.shape[1] != dst.shape[1]:
@@ -444,10 +363,10 @@ def draw_slot_mapping_grid(query_start_loc: Any, max_num_tokens: int, num_groups
     group; a box per request program, the padding program hatched) and ours (tiles of
     ``block_tokens`` slots, each box spanning every group). ``requests`` names the batch
     positions."""
-    max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
-    num_groups = positive_int("num_groups", num_groups)
-    block_tokens = positive_int("block_tokens", block_tokens)
-    qsl = int_list(query_start_loc, "query_start_loc")
+    max_num_tokens = check_int("max_num_tokens", max_num_tokens, 1)
+    num_groups = check_int("num_groups", num_groups, 1)
+    block_tokens = check_int("block_tokens", block_tokens, 1)
+    qsl = check_int_list("query_start_loc", query_start_loc)
     vllm = vllm_slot_programs(qsl, max_num_tokens, num_groups)       # checks qsl too
     num_reqs = len(qsl) - 1
     if requests is not None and len(requests) != num_reqs:
@@ -534,7 +453,7 @@ def draw_v2_step_times(batch_sizes: Sequence[int], times_us: dict[str, Sequence[
     """Time per step (µs) against the number of requests in the batch, one line per
     implementation (v1's numpy step with its copies, v2 with vLLM's kernels, v2 with ours, ...). Both axes are
     logarithmic."""
-    sizes = positive_int_list(batch_sizes, "batch_sizes")
+    sizes = check_int_list("batch_sizes", batch_sizes, 1)
     series = times_series(times_us, len(sizes), "batch sizes")
     return plot_times(new_axes(ax, figsize=(6.5, 4.0)), sizes, series, "requests in the batch",
                       "time per step (µs, log scale)",

@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import KernelUnavailable, args
-from paged_attention.kernels.triton.launch import Launcher, cached_plan, check_planned, tensor_signature
+from paged_attention.kernels.triton.common import check_triton_dtype
+from paged_attention.kernels.triton.launch import cached_plan, check_planned, tensor_signature
+from paged_attention.triton_launch import Launcher
 
 
 @triton.jit
@@ -160,11 +162,3 @@ def reshape_and_cache_flash(
                                check_slots=False))
     plan._check_apart(key, value, key_cache, value_cache)     # the plan was found by shapes, not by memory
     plan._launch(key, value, key_cache, value_cache, slot_mapping)
-
-
-def check_triton_dtype(t: torch.Tensor) -> None:
-    """Triton's interpreter has no bf16 arithmetic (compiled Triton has): there, bf16 input is
-    something this implementation cannot run."""
-    if t.dtype == torch.bfloat16 and t.device.type != "cuda":
-        raise KernelUnavailable("Triton's interpreter (on a CPU) has no bfloat16 arithmetic; use float32 or "
-                                "float16 here, or paged_attention.kernels.reference")

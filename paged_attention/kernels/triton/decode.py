@@ -6,7 +6,7 @@ physical block ``block_tables[s, j // block_size]``, at row ``j % block_size`` o
 For each query head ``h`` we want ``softmax(scale * q_h . K^T) V`` over those tokens, where K and
 V come from KV head ``h // (num_heads / num_kv_heads)`` (grouped-query attention, GQA).
 
-The plan (flash-decoding).
+The method (flash-decoding).
 
 * One program per (sequence, KV head, split). It loads all the query heads that share its KV
   head as the rows of one tile, so every key and value it reads from memory serves all of them:
@@ -33,32 +33,11 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import args
-from paged_attention.kernels.triton.cache import check_triton_dtype
-from paged_attention.kernels.triton.launch import Launcher, cached_plan, check_planned, tensor_signature
+from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile
+from paged_attention.kernels.triton.common import span as _span
+from paged_attention.kernels.triton.launch import cached_plan, check_planned, tensor_signature
+from paged_attention.triton_launch import Launcher
 from paged_attention.utils import cdiv, is_int
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
-                 k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
-                 BLOCK_SIZE: tl.constexpr, OFFSETS_64: tl.constexpr):
-    """The keys and values of token positions ``n`` of one KV head, read through the block table:
-    token n sits in physical block ``table[n // BLOCK_SIZE]``, at row ``n % BLOCK_SIZE``. Shared by
-    the decode and the prefill kernels. In a cache of 2^31 elements or more, ``block *
-    block_stride`` needs 64 bits (``OFFSETS_64``)."""
-    block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
-    row = n % BLOCK_SIZE
-    if OFFSETS_64:
-        block = block.to(tl.int64)
-        row = row.to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :],
-                mask=kv_mask, other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -172,11 +151,6 @@ def _merge_splits_kernel(
                 mask=i_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + seq * o_stride_s + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-def _span(t: torch.Tensor) -> int:
-    """One past the largest element offset a tensor view reaches from its first element."""
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 @functools.lru_cache(maxsize=None)

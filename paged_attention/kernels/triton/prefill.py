@@ -8,7 +8,7 @@ written there first). Its new tokens are the sequence's last ``q_len``: new toke
 position ``prefix + i`` (``prefix = seq_len - q_len``, e.g. a prefix-cache hit) and sees keys
 ``0 .. prefix + i``. A decoding request is the case ``q_len = 1``; so one call serves a mixed batch.
 
-The plan (FlashAttention-2 over pages).
+The method (FlashAttention-2 over pages).
 
 * One program per (request, tile of ``BLOCK_M`` new tokens, KV head). Its tile's rows are those
   tokens times the query heads that share the KV head (GQA): ``BLOCK_M * GROUP`` rows, row ``i``
@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import args
-from paged_attention.kernels.triton.cache import check_triton_dtype
-from paged_attention.kernels.triton.decode import LOG2E, _span, load_kv_tile
+from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile, span
+from paged_attention.utils import check_int
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_len
     stand_in = query.new_empty(num_reqs, query.size(1), query.size(2))
     args.check_flash_decode_args(stand_in, key_cache, value_cache, block_tables, seq_lens, None,
                                  check_ids=check_ids, scale=scale)
-    max_query_len = args.positive_int("max_query_len", max_query_len)
+    max_query_len = check_int("max_query_len", max_query_len, 1)
     if not check_ids or num_reqs == 0:
         return
     starts = query_start_loc.tolist()
@@ -201,6 +201,6 @@ def paged_attention_prefill(
         QUERIES_PER_KV=queries_per_kv, GROUP=group, BLOCK_M=block_m,
         HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.size(1),
         TILE_N=tile_n, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
+        OFFSETS_64=max(span(key_cache), span(value_cache)) >= 2**31,
         num_warps=num_warps, num_stages=num_stages,
     )
