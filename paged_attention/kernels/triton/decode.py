@@ -63,7 +63,7 @@ def load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
     qk_scale,                                   # scale * log2(e)
     tokens_per_split, num_splits,
@@ -79,7 +79,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,                   # tokens per KV-cache block (page)
     TILE_N: tl.constexpr,                       # tokens per loop step
     SPLIT: tl.constexpr,                        # False: one split, write `out` directly
-    USE_ALIBI: tl.constexpr,
+    USE_ALIBI: tl.constexpr, STORE_LSE: tl.constexpr,   # STORE_LSE: each head's log-sum-exp to lse_ptr
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
 ):
@@ -138,6 +138,8 @@ def _paged_decode_kernel(
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * o_stride_s + head[:, None] * o_stride_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
+        if STORE_LSE:                                     # ln(sum of e^score) = ln2 * (m + log2 l)
+            tl.store(lse_ptr + seq * num_heads + head, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=g_mask)
     else:
         # Partial result of this split: normalised output, max and sum, in float32 buffers of
         # shape [num_seqs, num_heads, num_splits(, HEAD_SIZE)]. An empty split (start >= end)
@@ -151,9 +153,9 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     o_stride_s, o_stride_h, num_splits,
-    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     # One program per (sequence, query head): merge its num_splits partial results.
     seq = tl.program_id(0)
@@ -172,6 +174,21 @@ def _merge_splits_kernel(
                 mask=i_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + seq * o_stride_s + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if STORE_LSE:
+        tl.store(lse_ptr + seq * tl.num_programs(1) + head, (m_max + tl.log2(tl.sum(w, axis=0))) * 0.6931471805599453)
+
+
+def check_lse(lse: torch.Tensor | None, query: torch.Tensor) -> None:
+    """An ``lse`` output is None or a contiguous float32 ``[num_seqs, num_heads]`` tensor on the
+    query's device (the kernels index it as one flat row per sequence)."""
+    if lse is None:
+        return
+    args.tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
+    args.shape("lse", lse, query.shape[:2])
+    args.same_device(query=query, lse=lse)
+    if not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous (the kernels write it as one flat row per sequence), "
+                         f"got strides {list(lse.stride())}")
 
 
 def _span(t: torch.Tensor) -> int:
@@ -241,7 +258,7 @@ class DecodePlan:
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  alibi_slopes: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                  max_seq_len: int | None = None, num_splits: int | None = None, check_ids: bool = True,
-                 launch: tuple[int, int, int] | None = None) -> None:
+                 launch: tuple[int, int, int] | None = None, lse: torch.Tensor | None = None) -> None:
         out = torch.empty_like(query) if out is None and isinstance(query, torch.Tensor) else out
         max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                                    alibi_slopes, check_ids=check_ids, scale=scale, out=out,
@@ -249,6 +266,7 @@ class DecodePlan:
         check_triton_dtype(query)
         args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
         num_seqs, num_heads, head_size = query.shape
+        check_lse(lse, query)
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if num_seqs else 1
@@ -260,7 +278,7 @@ class DecodePlan:
         self.num_splits = num_splits = cdiv(max(max_seq_len, 1), tokens_per_split)
         self.max_seq_len = max_seq_len
         self.signature = tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables,
-                                                      seq_lens, alibi_slopes)))
+                                                      seq_lens, alibi_slopes, lse)))
         self.num_seqs = num_seqs
         if num_seqs == 0:
             return
@@ -275,8 +293,8 @@ class DecodePlan:
         # The strides are part of the plan (run checks them), so they are fixed arguments.
         self._decode = Launcher(
             _paged_decode_kernel,
-            ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr",
-             "block_tables_ptr", "seq_lens_ptr", "alibi_ptr"),
+            ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr", "q_ptr", "k_cache_ptr",
+             "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "alibi_ptr"),
             qk_scale=float(scale) * LOG2E, tokens_per_split=tokens_per_split, num_splits=num_splits,
             q_stride_s=query.stride(0), q_stride_h=query.stride(1),
             k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
@@ -288,27 +306,30 @@ class DecodePlan:
             QUERIES_PER_KV=num_heads // num_kv_heads,
             BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
             HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_SIZE=block_size, TILE_N=tile_n,
-            SPLIT=num_splits > 1, USE_ALIBI=use_alibi,
+            SPLIT=num_splits > 1, STORE_LSE=lse is not None, USE_ALIBI=use_alibi,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
             num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             self._merge_grid = (num_seqs, num_heads)
             self._merge = Launcher(
-                _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr"),
+                _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr"),
                 o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_splits,
-                HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_S=triton.next_power_of_2(num_splits))
+                HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_S=triton.next_power_of_2(num_splits),
+                STORE_LSE=lse is not None)
 
     def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None) -> None:
-        """Decode attention into ``out``; the tensors must match the plan (``ValueError`` if not).
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> None:
+        """Decode attention into ``out`` (and log-sum-exps into ``lse`` if the plan was made with one);
+        the tensors must match the plan (``ValueError`` if not).
         The ids are not checked again: ``seq_lens`` must stay within the planned ``max_seq_len``
         and the tables within the cache, as they were when planned."""
-        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
-        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature, optional=("alibi_slopes",))
+        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
+        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature, optional=("alibi_slopes", "lse"))
         self._launch(*tensors)
 
-    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes) -> None:
+    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse=None) -> None:
         if self.num_seqs == 0:
             return
         if self.num_splits > 1:
@@ -317,13 +338,14 @@ class DecodePlan:
             parts = out, out, out                # unused without splits
         # Pinned launches: the plan's checks (signatures: dtype and alignment included) make every
         # call specialise as the first did.
-        self._decode.pinned(self._grid, out, *parts, query, key_cache, value_cache, block_tables, seq_lens,
+        lse = out if lse is None else lse        # unused without STORE_LSE
+        self._decode.pinned(self._grid, out, *parts, lse, query, key_cache, value_cache, block_tables, seq_lens,
                             query if alibi_slopes is None else alibi_slopes)
         if self.num_splits > 1:
-            self._merge.pinned(self._merge_grid, out, *parts)
+            self._merge.pinned(self._merge_grid, out, *parts, lse)
 
 
-_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
+_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes", "lse")
 # Plans made by unchecked calls (check_ids=False), by everything the checks depend on: a call
 # with the same shapes, strides, dtypes and options is checked once. Bounded, oldest dropped.
 _PLANS: dict[tuple, DecodePlan] = {}
@@ -344,6 +366,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     check_ids: bool = True,
     launch: tuple[int, int, int] | None = None,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -361,7 +384,12 @@ def paged_attention_decode(
     the index checks, which copy the tables to the host: only for tables known good; the caller
     then promises that ``max_seq_len`` is an upper bound (with ``check_ids=True`` a smaller one
     is refused). ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default:
-    ``choose_launch``), for tuning.
+    ``choose_launch``), for tuning. ``lse``, a contiguous float32 ``[num_seqs, num_heads]``
+    tensor, also receives each head's log-sum-exp ``ln(sum_j exp(scale * q . k_j))`` (``check_lse``):
+    what a caller needs to merge this result with attention over other tokens of the same
+    sequence (``reference.merge_partials``; decode context parallelism merges its ranks' so). The
+    kernel keeps ``m`` (base 2) and ``l``; the log-sum-exp is ``ln 2 * (m + log2 l)``, and with
+    splits ``ln 2 * (M + log2 sum_i w_i)``.
 
     The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
     combination of shapes, strides, dtypes and options, and later calls reuse that
@@ -370,13 +398,13 @@ def paged_attention_decode(
     """
     if check_ids or max_seq_len is None:
         DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
-                   max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids,
-                   launch=launch)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+                   max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids, launch=launch,
+                   lse=lse)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
         return
     plan = cached_plan(
         _PLANS, _MAX_PLANS,
         lambda: (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              alibi_slopes))), scale, max_seq_len, num_splits, launch),
+                                              alibi_slopes, lse))), scale, max_seq_len, num_splits, launch),
         lambda: DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
-                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch))
-    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch, lse=lse))
+    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)

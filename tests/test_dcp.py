@@ -1,0 +1,314 @@
+"""Decode context parallelism across real ranks: gloo on CPU processes, nccl where GPUs are.
+
+Every DCP case must give, on every rank, attention over the whole context (the float64 oracle
+over each sequence's keys and values as made). Two planted bugs must fail the same check: a
+rank that attends over another rank's share, and a merge that averages the ranks' outputs
+without rescaling them by their log-sum-exps. Spawning processes costs seconds, so the cases of
+one world size run in one group (``_rank_cases``), started once per module.
+"""
+import pytest
+import torch
+
+from paged_attention import runtime
+from paged_attention.distributed import (DcpDecodeProblem, all_gather_partials,
+                                         get_dcp_local_seq_lens, merge_rank_partials, partial_decode_attention,
+                                         run_dcp_rank, spawn, write_rank_cache)
+from paged_attention.kernels import reference as ref
+from paged_attention.kernels.triton import paged_attention_decode
+from paged_attention.kernels.workloads import make_decode_problem
+from paged_attention.v1.reference import dcp_owner_rank
+
+# Ragged: 1 token (some ranks hold none), shorter than a round of dealing, exact multiples of a
+# block column, one past, and longer ones.
+LENS = (1, 3, 16, 17, 45, 64)
+TRITON_CPU = not runtime.HAS_CUDA      # the interpreter runs Triton on CPU tensors
+
+
+def _problem(interleave, lens=LENS, **kw):
+    return DcpDecodeProblem(lens, num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            interleave=interleave, **kw)
+
+
+def _planted(rank, world, problem, impl, bug):
+    """The library's three moves with one of them wrong."""
+    cache = write_rank_cache(problem, world, rank, "cpu", impl)
+    seq_lens = torch.tensor(problem.seq_lens)
+    # "wrong share": the token counts of the next rank, so this rank reads a share of the wrong
+    # length (too many tokens: slots that hold another sequence's or no one's numbers).
+    share_rank = (rank + 1) % world if bug == "wrong share" else rank
+    local = get_dcp_local_seq_lens(seq_lens, world, share_rank, problem.interleave)
+    out, lse = partial_decode_attention(problem.query(), cache.key_cache, cache.value_cache, cache.block_tables,
+                                        local, problem.scale, impl=impl)
+    outs, lses = all_gather_partials(out, lse)
+    if bug == "no rescale":
+        return outs.mean(dim=0)         # every rank weighs the same, whatever its share's scores
+    return merge_rank_partials(outs, lses)[0]
+
+
+def _rank_cases(rank, world, cases):
+    """Run every case on this rank: ``{name: RankResult}`` for the library, ``{name: out}`` for a
+    planted bug."""
+    results = {}
+    for name, problem, impl, bug in cases:
+        results[name] = (run_dcp_rank(rank, world, problem, impl) if bug is None
+                         else _planted(rank, world, problem, impl, bug))
+    return results
+
+
+def _cases(world):
+    cases = [(f"interleave {i}", _problem(i), "reference", None) for i in (1, 2, 8)]
+    cases += [("wrong share", _problem(1), "reference", "wrong share"),
+              ("wrong share, interleave 4", _problem(4), "reference", "wrong share"),
+              ("no rescale", _problem(2), "reference", "no rescale")]
+    if world == 2 and TRITON_CPU:
+        cases += [("triton, interleave 4", _problem(4, lens=(1, 9, 40)), "triton", None),
+                  ("triton fp16, interleave 1", _problem(1, lens=(2, 33), dtype=torch.float16), "triton", None)]
+    return cases
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world 2", "world 4"])
+def ranks(request):
+    world = request.param
+    cases = _cases(world)
+    return world, {name: (problem, impl, bug) for name, problem, impl, bug in cases}, \
+        spawn(_rank_cases, world, cases, backend="gloo")
+
+
+def _error(out, oracle):
+    return float((out.double() - oracle).abs().max())
+
+
+def _tolerance(problem, impl):
+    if impl == "reference":
+        return 1e-12
+    return 1e-5 if problem.dtype == torch.float32 else 2e-3
+
+
+def test_every_rank_gets_whole_context_attention(ranks):
+    world, cases, results = ranks
+    checked = 0
+    for name, (problem, impl, bug) in cases.items():
+        if bug is not None:
+            continue
+        oracle, oracle_lse = problem.dense_reference()
+        for rank in range(world):
+            got = results[rank][name]
+            assert got.rank == rank
+            assert _error(got.out, oracle) < _tolerance(problem, impl), (name, rank)
+            assert _error(got.lse, oracle_lse) < 1e-5, (name, rank)
+            # the all-gather gave every rank the same partials, so the same merge
+            assert torch.equal(got.out, results[0][name].out)
+        checked += 1
+    assert checked >= 3
+
+
+def test_each_rank_holds_its_share_only(ranks):
+    world, cases, results = ranks
+    for name, (problem, impl, bug) in cases.items():
+        if bug is not None:
+            continue
+        for s, n in enumerate(problem.seq_lens):
+            stored = torch.stack([torch.from_numpy(results[r][name].slots[s]) >= 0 for r in range(world)])
+            assert stored.sum(dim=0).tolist() == [1] * n                        # every token on one rank
+            owners = stored.int().argmax(dim=0).tolist()
+            assert owners == [dcp_owner_rank(p, world, problem.interleave) for p in range(n)]
+            assert [results[r][name].local_seq_lens[s] for r in range(world)] == stored.sum(dim=1).tolist()
+            # each rank's slots fill its blocks from the front, in position order
+            for r in range(world):
+                slots = results[r][name].slots[s][stored[r].numpy()]
+                ids = results[r][name].block_ids[s]
+                expected = [ids[i // problem.block_size] * problem.block_size + i % problem.block_size
+                            for i in range(len(slots))]
+                assert slots.tolist() == expected
+
+
+def test_partials_are_the_ranks_own_attention(ranks):
+    """A rank's partial is attention over exactly its tokens: the oracle over the positions it
+    owns, and -inf (weight 0) where it owns none."""
+    world, cases, results = ranks
+    problem = cases["interleave 2"][0]
+    query = problem.query()
+    for rank in range(world):
+        got = results[rank]["interleave 2"]
+        for s, n in enumerate(problem.seq_lens):
+            mine = [p for p in range(n) if dcp_owner_rank(p, world, problem.interleave) == rank]
+            if not mine:
+                assert torch.isneginf(got.partial_lse[s]).all() and not got.partial_out[s].any()
+                continue
+            k, v = (x[mine] for x in problem.sequence_kv(s))
+            lens = torch.tensor([len(mine)])
+            o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
+                                              lens, problem.scale, return_lse=True)
+            torch.testing.assert_close(got.partial_out[s], o[0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(got.partial_lse[s], lse[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("bug", ["wrong share", "wrong share, interleave 4", "no rescale"])
+def test_planted_bugs_fail_the_check(ranks, bug):
+    world, cases, results = ranks
+    problem, impl, _ = cases[bug]
+    oracle, _ = problem.dense_reference()
+    for rank in range(world):
+        assert _error(results[rank][bug], oracle) > 1e-3, (bug, rank)
+
+
+# ---- In one process: the pieces ------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("interleave", [1, 2, 8])
+def test_local_seq_lens_count_the_owned_positions(world, interleave):
+    lens = torch.arange(0, 100)
+    counts = [get_dcp_local_seq_lens(lens, world, r, interleave) for r in range(world)]
+    assert torch.equal(sum(counts), lens)
+    for r in range(world):
+        assert counts[r].tolist() == [sum(dcp_owner_rank(p, world, interleave) == r for p in range(n))
+                                      for n in lens.tolist()]
+
+
+def test_local_seq_lens_refuse_bad_arguments():
+    lens = torch.tensor([5])
+    with pytest.raises(ValueError):
+        get_dcp_local_seq_lens(lens, 2, 2)
+    with pytest.raises(ValueError):
+        get_dcp_local_seq_lens(lens, 0, 0)
+    with pytest.raises(TypeError):
+        get_dcp_local_seq_lens([5], 2, 0)
+    with pytest.raises(TypeError):
+        get_dcp_local_seq_lens(lens.float(), 2, 0)
+
+
+def test_merge_of_parts_is_attention_over_the_whole():
+    """Cut every sequence into uneven parts, attend over each with the oracle, merge: the same as
+    attention over the whole. And v2's partitions are merged by the same function."""
+    p = make_decode_problem([40, 7, 100], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, seed=3)
+    whole, whole_lse = ref.ref_decode_attention(*p.decode_args(), return_lse=True)
+    query = p.query
+    cuts = [0, 3, 4, 30]           # parts [0, 3), [3, 4), [4, 30), [30, n): some empty when n is small
+    outs, lses = [], []
+    for lo, hi in zip(cuts, cuts[1:] + [10 ** 6]):
+        o = torch.zeros(3, 4, 16, dtype=torch.float64)
+        lse = torch.full((3, 4), float("-inf"), dtype=torch.float64)
+        for s, n in enumerate(p.seq_lens.tolist()):
+            if min(hi, n) <= lo:
+                continue
+            k, v = ref.gather_kv(p.key_cache, p.value_cache, p.block_tables[s], n)
+            k, v = k[lo:min(hi, n)], v[lo:min(hi, n)]
+            o[s], lse[s] = (x[0] for x in ref.ref_decode_attention(
+                query[s:s + 1], k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
+                torch.tensor([k.size(0)]), p.scale, return_lse=True))
+        outs.append(o)
+        lses.append(lse)
+    merged, merged_lse = ref.merge_partials(torch.stack(outs), torch.stack(lses), dim=0)
+    torch.testing.assert_close(merged, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(merged_lse, whole_lse, rtol=0, atol=1e-12)
+    # without the rescale the parts are not on one scale
+    assert (torch.stack(outs).mean(0) - whole).abs().max() > 1e-2
+
+
+def test_merge_with_exp_sums_is_v2s_reduction():
+    m = torch.tensor([[3.0, 5.0, 4.0]])
+    s = torch.tensor([[20.0, 8.0, 12.0]])
+    o = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]])
+    w = [20 * torch.e ** -2, 8.0, 12 * torch.e ** -1]
+    expected = torch.tensor([(w[0] + 0.5 * w[2]) / sum(w), (w[1] + 0.5 * w[2]) / sum(w)])
+    out, lse = ref.merge_partials(o, m, s)
+    torch.testing.assert_close(out[0], expected)
+    torch.testing.assert_close(lse[0], torch.tensor(5.0 + float(torch.tensor(sum(w)).log())))
+    # A log-sum-exp is the pair (lse, 1); all parts empty gives no NaN in the lse.
+    out2, _ = ref.merge_partials(o, m + s.log())
+    torch.testing.assert_close(out2, out)
+    _, empty = ref.merge_partials(o, torch.full_like(m, float("-inf")))
+    assert torch.isneginf(empty).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_lse_matches_the_reference(device, num_splits):
+    p = make_decode_problem([1, 9, 70], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, device=device,
+                            seed=5)
+    oracle, oracle_lse = ref.ref_decode_attention(*p.decode_args(), return_lse=True)
+    out = torch.empty_like(p.query)
+    lse = torch.full((3, 4), float("nan"), device=device)
+    paged_attention_decode(out, *p.decode_args(), num_splits=num_splits, lse=lse)
+    torch.testing.assert_close(lse.double().cpu(), oracle_lse.cpu(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), oracle, rtol=0, atol=1e-5)
+
+
+def test_triton_lse_refuses_bad_buffers(device):
+    p = make_decode_problem([5, 9], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, device=device)
+    out = torch.empty_like(p.query)
+    bad = {TypeError: [torch.empty(2, 4, dtype=torch.float64, device=device), [0.0] * 8],
+           ValueError: [torch.empty(2, 3, device=device), torch.empty(4, 2, device=device).t(),
+                        torch.empty(8, device=device)]}
+    for error, buffers in bad.items():
+        for lse in buffers:
+            out.fill_(7.0)
+            with pytest.raises(error):
+                paged_attention_decode(out, *p.decode_args(), lse=lse)
+            assert (out == 7.0).all()               # refused before the launch
+
+
+def test_empty_share_weighs_nothing():
+    """A rank that holds no token of a sequence: -inf and zeros, whichever implementation."""
+    problem = _problem(4, lens=(2, 20))
+    cache = write_rank_cache(problem, 2, 1, "cpu", "reference")
+    local = get_dcp_local_seq_lens(torch.tensor(problem.seq_lens), 2, 1, 4)
+    assert local.tolist() == [0, 8]
+    impls = ["reference", "triton"] if TRITON_CPU else ["reference"]
+    for impl in impls:
+        out, lse = partial_decode_attention(problem.query(), cache.key_cache, cache.value_cache,
+                                            cache.block_tables, local, problem.scale, impl=impl)
+        assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+        assert not out[0].any()
+
+
+def test_bad_arguments_are_refused():
+    problem = _problem(1, lens=(5,))
+    with pytest.raises(ValueError):
+        write_rank_cache(problem, 2, 0, "cpu", "cuda")
+    cache = write_rank_cache(problem, 2, 0, "cpu", "reference")
+    with pytest.raises(ValueError):
+        partial_decode_attention(problem.query(), cache.key_cache, cache.value_cache, cache.block_tables,
+                                 torch.tensor([3]), problem.scale, impl="vllm")
+    with pytest.raises(ValueError):
+        DcpDecodeProblem((5,), block_size=8, interleave=3)      # must divide the block size
+    with pytest.raises(ValueError):
+        DcpDecodeProblem((0,))
+    with pytest.raises(ValueError):
+        spawn(run_dcp_rank, 2, problem, backend="mpi")
+    with pytest.raises(ValueError):
+        spawn(run_dcp_rank, 0, problem)
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError):
+            spawn(run_dcp_rank, 64, problem, backend="nccl")
+
+
+def _raise_on_rank_1(rank, world):
+    if rank == 1:
+        raise KeyError("planted on rank 1")
+    return rank
+
+
+def test_an_error_on_one_rank_reaches_the_caller():
+    with pytest.raises(Exception, match="planted on rank 1"):
+        spawn(_raise_on_rank_1, 2, backend="gloo")
+
+
+def test_a_single_rank_needs_no_peers():
+    """World size 1 through the same code: the group is one process, the merge of one part."""
+    problem = _problem(1, lens=(3, 30))
+    (got,) = spawn(run_dcp_rank, 1, problem, "reference", backend="gloo")
+    oracle, _ = problem.dense_reference()
+    assert _error(got.out, oracle) < 1e-12
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_on_two_gpus():
+    for interleave, dtype in ((1, torch.bfloat16), (8, torch.float16)):
+        problem = DcpDecodeProblem((1, 17, 300, 2049), num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                                   interleave=interleave, dtype=dtype)
+        results = spawn(run_dcp_rank, 2, problem, "triton", backend="nccl")
+        oracle, _ = problem.dense_reference("cuda")
+        for got in results:
+            assert _error(got.out, oracle.cpu()) < 2e-2
+        assert torch.equal(results[0].out, results[1].out)
