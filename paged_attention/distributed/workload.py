@@ -15,6 +15,7 @@ they were made, with no cache, table or rank in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -88,13 +89,16 @@ class DcpDecodeProblem:
         starts = np.cumsum([0] + per_seq)
         return [order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
 
-    def dense_reference(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Float64 ``(out, lse)`` of attention over each whole sequence, from its keys and values
-        as made: a one-block "cache" per sequence that holds exactly its tokens in order."""
+    def dense_reference(self, device: torch.device | str = "cpu",
+                        seqs: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float64 ``(out, lse)`` of attention over each whole sequence (or those listed in
+        ``seqs``), from its keys and values as made: a one-block "cache" per sequence that holds
+        exactly its tokens in order."""
         query = self.query(device)
         outs, lses = [], []
         one_block = torch.zeros(1, 1, dtype=torch.int32, device=query.device)
-        for s, n in enumerate(self.seq_lens):
+        for s in range(len(self.seq_lens)) if seqs is None else seqs:
+            n = self.seq_lens[s]
             k, v = self.sequence_kv(s, device)
             lens = torch.tensor([n], dtype=torch.int32, device=query.device)
             o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], one_block, lens, self.scale,
@@ -138,8 +142,8 @@ def write_rank_cache(problem: DcpDecodeProblem, dcp_world_size: int, dcp_rank: i
     gen = torch.Generator(device).manual_seed(10_007 + dcp_rank)
     shape = (num_blocks, p.block_size, p.num_kv_heads, p.head_size)
     # Random numbers in every slot, so that a slot nobody wrote cannot pass for a written one.
-    key_cache = torch.randn(shape, generator=gen, device=device).to(p.dtype)
-    value_cache = torch.randn(shape, generator=gen, device=device).to(p.dtype)
+    key_cache = torch.randn(shape, generator=gen, device=device, dtype=p.dtype)
+    value_cache = torch.randn(shape, generator=gen, device=device, dtype=p.dtype)
     if impl == "reference":
         write = ref.reshape_and_cache_flash
     else:
