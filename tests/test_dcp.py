@@ -312,3 +312,39 @@ def test_nccl_on_two_gpus():
         for got in results:
             assert _error(got.out, oracle.cpu()) < 2e-2
         assert torch.equal(results[0].out, results[1].out)
+
+
+# ---- The drawings draw what the ranks returned ----------------------------------------------------
+
+def test_drawings_show_what_the_ranks_hold_and_merge(ranks):
+    from paged_attention.viz.dcp import dcp_merge_weights, draw_dcp_merge, draw_dcp_shares
+
+    world, cases, results = ranks
+    problem = cases["interleave 2"][0]
+    got = [results[r]["interleave 2"] for r in range(world)]
+    s, n = 4, problem.seq_lens[4]
+    ax = draw_dcp_shares(got, problem.block_size, seq=s)
+    for r in range(world):
+        shown = [int(t.get_text()) for t in ax.texts if t.get_gid() == f"rank{r}"]
+        assert sorted(shown) == [p for p in range(n) if dcp_owner_rank(p, world, problem.interleave) == r]
+    assert [t.get_text() for t in ax.texts if t.get_gid() == "position"] == [str(p) for p in range(n)]
+
+    weights = dcp_merge_weights(got, s)
+    assert weights.shape == (world, problem.num_heads)
+    assert abs(weights.sum(axis=0) - 1).max() < 1e-12
+    oracle, _ = problem.dense_reference()
+    ax = draw_dcp_merge(got, oracle, seq=s, head=1, num_dims=6)
+    lines = {line.get_gid(): line for line in ax.lines}
+    assert abs(lines["merged"].get_ydata() - oracle[s, 1, :6].numpy()).max() < 1e-12
+    assert abs(lines["average"].get_ydata() - oracle[s, 1, :6].numpy()).max() > 1e-3
+    labels = ax.get_legend_handles_labels()[1]
+    assert [f"weight {w:.3f}" in label for w, label in zip(weights[:, 1], labels)] == [True] * world
+
+    with pytest.raises(ValueError):
+        draw_dcp_shares(got, problem.block_size, seq=len(problem.seq_lens))
+    with pytest.raises(TypeError):
+        draw_dcp_shares([], problem.block_size)
+    with pytest.raises(ValueError):
+        draw_dcp_merge(got, oracle[:1], seq=s)
+    with pytest.raises(ValueError):
+        draw_dcp_merge(got, oracle, head=problem.num_heads)
