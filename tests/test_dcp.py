@@ -13,6 +13,7 @@ from paged_attention import runtime
 from paged_attention.distributed import (DcpDecodeProblem, all_gather_partials,
                                          get_dcp_local_seq_lens, merge_rank_partials, partial_decode_attention,
                                          run_dcp_rank, spawn, write_rank_cache)
+from paged_attention.distributed.dcp import _local_bound
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels.triton import paged_attention_decode
 from paged_attention.kernels.workloads import make_decode_problem
@@ -163,6 +164,9 @@ def test_local_seq_lens_count_the_owned_positions(world, interleave):
     for r in range(world):
         assert counts[r].tolist() == [sum(dcp_owner_rank(p, world, interleave) == r for p in range(n))
                                       for n in lens.tolist()]
+    # the bound a rank's kernel gets from a bound on the whole contexts: the largest count
+    largest = torch.stack(counts).amax(dim=0)
+    assert [_local_bound(n, world, interleave) for n in range(1, 100)] == largest[1:].tolist()
 
 
 def test_local_seq_lens_refuse_bad_arguments():

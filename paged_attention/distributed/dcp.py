@@ -136,12 +136,22 @@ def dcp_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     ``check_ids`` go to the kernel as in ``paged_attention_decode``.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    # 1. Attention over this rank's share: its tokens of each sequence, in order, in its blocks.
     local = get_dcp_local_seq_lens(seq_lens, world, rank, interleave)
-    local_max = None if max_seq_len is None else get_dcp_local_seq_lens(
-        torch.tensor([max_seq_len]), world, 0, interleave).item()       # rank 0 holds the most
     out, lse = partial_decode_attention(query, key_cache, value_cache, block_tables, local, scale, impl=impl,
-                                        max_seq_len=max(1, local_max) if local_max is not None else None,
+                                        max_seq_len=_local_bound(max_seq_len, world, interleave),
                                         check_ids=check_ids)
-    merged, merged_lse = merge_rank_partials(*all_gather_partials(out, lse, group))
+    # 2. Every rank's output and log-sum-exp. 3. The merge, the same on every rank.
+    outs, lses = all_gather_partials(out, lse, group)
+    merged, merged_lse = merge_rank_partials(outs, lses)
     merged = merged.to(out.dtype)
     return (merged, merged_lse) if return_lse else merged
+
+
+def _local_bound(max_seq_len: int | None, world: int, interleave: int) -> int | None:
+    """A bound on every rank's token count for contexts of at most ``max_seq_len`` tokens: rank
+    0's count, the largest (it is first in every round of dealing)."""
+    if max_seq_len is None:
+        return None
+    rounds, rem = divmod(check_int("max_seq_len", max_seq_len, minimum=1), world * interleave)
+    return rounds * interleave + min(rem, interleave)

@@ -79,7 +79,7 @@ def draw_dcp_shares(results: Sequence[Any], block_size: int, seq: int = 0, ax: A
     ax.set_ylim(-world * pitch - 0.3, cell_h + 0.5)
     ax.axis("off")
     ax.set_title(title if title is not None else
-                 f"sequence {seq} ({n} tokens) over {world} ranks: each rank writes its own positions, "
+                 f"request {seq} ({n} tokens) over {world} ranks: each rank writes its own positions, "
                  f"packed in order, into its blocks", fontsize=9.5)
     return ax
 
@@ -124,6 +124,6 @@ def draw_dcp_merge(results: Sequence[Any], oracle: torch.Tensor, seq: int = 0, h
     ax.set_ylabel("value")
     ax.legend(fontsize=7.5, loc="best")
     ax.set_title(title if title is not None else
-                 f"sequence {seq}, head {head}: the ranks' partial outputs, weighted by exp(lse_r - lse), "
+                 f"request {seq}, head {head}: the ranks' partial outputs, weighted by exp(lse_r - lse), "
                  f"add up to the answer", fontsize=9.5)
     return ax
