@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from paged_attention import runtime
-from paged_attention.distributed import (DcpDecodeProblem, all_gather_partials,
-                                         get_dcp_local_seq_lens, merge_rank_partials, partial_decode_attention,
-                                         run_dcp_rank, spawn, write_rank_cache)
+from paged_attention.distributed import (
+    DcpDecodeProblem, all_gather_partials, get_dcp_local_seq_lens, merge_rank_partials,
+    partial_decode_attention, run_dcp_rank, spawn, write_rank_cache,
+)
 from paged_attention.distributed.dcp import _local_bound
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels.triton import paged_attention_decode
@@ -38,8 +39,8 @@ def _planted(rank, world, problem, impl, bug):
     # length (too many tokens: slots that hold another sequence's or no one's numbers).
     share_rank = (rank + 1) % world if bug == "wrong share" else rank
     local = get_dcp_local_seq_lens(seq_lens, world, share_rank, problem.interleave)
-    out, lse = partial_decode_attention(problem.query(), cache.key_cache, cache.value_cache, cache.block_tables,
-                                        local, problem.scale, impl=impl)
+    kv = (problem.query(), cache.key_cache, cache.value_cache, cache.block_tables)
+    out, lse = partial_decode_attention(*kv, local, problem.scale, impl=impl)
     outs, lses = all_gather_partials(out, lse)
     if bug == "no rescale":
         return outs.mean(dim=0)         # every rank weighs the same, whatever its share's scores
@@ -62,8 +63,9 @@ def _cases(world):
               ("wrong share, interleave 4", _problem(4), "reference", "wrong share"),
               ("no rescale", _problem(2), "reference", "no rescale")]
     if world == 2 and TRITON_CPU:
+        fp16 = _problem(1, lens=(2, 33), dtype=torch.float16)
         cases += [("triton, interleave 4", _problem(4, lens=(1, 9, 40)), "triton", None),
-                  ("triton fp16, interleave 1", _problem(1, lens=(2, 33), dtype=torch.float16), "triton", None)]
+                  ("triton fp16, interleave 1", fp16, "triton", None)]
     return cases
 
 
@@ -108,19 +110,19 @@ def test_each_rank_holds_its_share_only(ranks):
     for name, (problem, impl, bug) in cases.items():
         if bug is not None:
             continue
+        got = [results[r][name] for r in range(world)]
+        B = problem.block_size
         for s, n in enumerate(problem.seq_lens):
-            stored = torch.stack([torch.from_numpy(results[r][name].slots[s]) >= 0 for r in range(world)])
-            assert stored.sum(dim=0).tolist() == [1] * n                        # every token on one rank
+            stored = torch.stack([torch.from_numpy(g.slots[s]) >= 0 for g in got])
+            assert stored.sum(dim=0).tolist() == [1] * n              # every token on one rank
             owners = stored.int().argmax(dim=0).tolist()
             assert owners == [dcp_owner_rank(p, world, problem.interleave) for p in range(n)]
-            assert [results[r][name].local_seq_lens[s] for r in range(world)] == stored.sum(dim=1).tolist()
+            assert [g.local_seq_lens[s] for g in got] == stored.sum(dim=1).tolist()
             # each rank's slots fill its blocks from the front, in position order
-            for r in range(world):
-                slots = results[r][name].slots[s][stored[r].numpy()]
-                ids = results[r][name].block_ids[s]
-                expected = [ids[i // problem.block_size] * problem.block_size + i % problem.block_size
-                            for i in range(len(slots))]
-                assert slots.tolist() == expected
+            for r, g in enumerate(got):
+                slots = g.slots[s][stored[r].numpy()]
+                ids = g.block_ids[s]
+                assert slots.tolist() == [ids[i // B] * B + i % B for i in range(len(slots))]
 
 
 def test_partials_are_the_ranks_own_attention(ranks):
@@ -138,8 +140,9 @@ def test_partials_are_the_ranks_own_attention(ranks):
                 continue
             k, v = (x[mine] for x in problem.sequence_kv(s))
             lens = torch.tensor([len(mine)])
-            o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], torch.zeros(1, 1, dtype=torch.int32),
-                                              lens, problem.scale, return_lse=True)
+            one_block = torch.zeros(1, 1, dtype=torch.int32)
+            o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], one_block, lens,
+                                              problem.scale, return_lse=True)
             torch.testing.assert_close(got.partial_out[s], o[0], rtol=0, atol=1e-12)
             torch.testing.assert_close(got.partial_lse[s], lse[0], rtol=0, atol=1e-12)
 
@@ -153,7 +156,7 @@ def test_planted_bugs_fail_the_check(ranks, bug):
         assert _error(results[rank][bug], oracle) > 1e-3, (bug, rank)
 
 
-# ---- In one process: the pieces ------------------------------------------------------------------
+# ---- In one process: the pieces ------------------------------------------------------------
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("interleave", [1, 2, 8])
@@ -162,8 +165,9 @@ def test_local_seq_lens_count_the_owned_positions(world, interleave):
     counts = [get_dcp_local_seq_lens(lens, world, r, interleave) for r in range(world)]
     assert torch.equal(sum(counts), lens)
     for r in range(world):
-        assert counts[r].tolist() == [sum(dcp_owner_rank(p, world, interleave) == r for p in range(n))
-                                      for n in lens.tolist()]
+        owned = [sum(dcp_owner_rank(p, world, interleave) == r for p in range(n))
+                 for n in lens.tolist()]
+        assert counts[r].tolist() == owned
     # the bound a rank's kernel gets from a bound on the whole contexts: the largest count
     largest = torch.stack(counts).amax(dim=0)
     assert [_local_bound(n, world, interleave) for n in range(1, 100)] == largest[1:].tolist()
@@ -184,10 +188,11 @@ def test_local_seq_lens_refuse_bad_arguments():
 def test_merge_of_parts_is_attention_over_the_whole():
     """Cut every sequence into uneven parts, attend over each with the oracle, merge: the same as
     attention over the whole. And v2's partitions are merged by the same function."""
-    p = make_decode_problem([40, 7, 100], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, seed=3)
+    p = make_decode_problem([40, 7, 100], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            seed=3)
     whole, whole_lse = ref.ref_decode_attention(*p.decode_args(), return_lse=True)
     query = p.query
-    cuts = [0, 3, 4, 30]           # parts [0, 3), [3, 4), [4, 30), [30, n): some empty when n is small
+    cuts = [0, 3, 4, 30]           # parts [0, 3), [3, 4), [4, 30), [30, n): some empty for n = 7
     outs, lses = [], []
     for lo, hi in zip(cuts, cuts[1:] + [10 ** 6]):
         o = torch.zeros(3, 4, 16, dtype=torch.float64)
@@ -227,8 +232,8 @@ def test_merge_with_exp_sums_is_v2s_reduction():
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_triton_lse_matches_the_reference(device, num_splits):
-    p = make_decode_problem([1, 9, 70], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, device=device,
-                            seed=5)
+    p = make_decode_problem([1, 9, 70], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            device=device, seed=5)
     oracle, oracle_lse = ref.ref_decode_attention(*p.decode_args(), return_lse=True)
     out = torch.empty_like(p.query)
     lse = torch.full((3, 4), float("nan"), device=device)
@@ -238,7 +243,8 @@ def test_triton_lse_matches_the_reference(device, num_splits):
 
 
 def test_triton_lse_refuses_bad_buffers(device):
-    p = make_decode_problem([5, 9], num_heads=4, num_kv_heads=2, head_size=16, block_size=8, device=device)
+    p = make_decode_problem([5, 9], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            device=device)
     out = torch.empty_like(p.query)
     bad = {TypeError: [torch.empty(2, 4, dtype=torch.float64, device=device), [0.0] * 8],
            ValueError: [torch.empty(2, 3, device=device), torch.empty(4, 2, device=device).t(),
@@ -271,8 +277,8 @@ def test_bad_arguments_are_refused():
         write_rank_cache(problem, 2, 0, "cpu", "cuda")
     cache = write_rank_cache(problem, 2, 0, "cpu", "reference")
     with pytest.raises(ValueError):
-        partial_decode_attention(problem.query(), cache.key_cache, cache.value_cache, cache.block_tables,
-                                 torch.tensor([3]), problem.scale, impl="vllm")
+        partial_decode_attention(problem.query(), cache.key_cache, cache.value_cache,
+                                 cache.block_tables, torch.tensor([3]), problem.scale, impl="vllm")
     with pytest.raises(ValueError):
         DcpDecodeProblem((5,), block_size=8, interleave=3)      # must divide the block size
     with pytest.raises(ValueError):
@@ -309,8 +315,8 @@ def test_a_single_rank_needs_no_peers():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_on_two_gpus():
     for interleave, dtype in ((1, torch.bfloat16), (8, torch.float16)):
-        problem = DcpDecodeProblem((1, 17, 300, 2049), num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-                                   interleave=interleave, dtype=dtype)
+        problem = DcpDecodeProblem((1, 17, 300, 2049), num_heads=8, num_kv_heads=2, head_size=64,
+                                   block_size=16, interleave=interleave, dtype=dtype)
         results = spawn(run_dcp_rank, 2, problem, "triton", backend="nccl")
         oracle, _ = problem.dense_reference("cuda")
         for got in results:
@@ -318,10 +324,11 @@ def test_nccl_on_two_gpus():
         assert torch.equal(results[0].out, results[1].out)
 
 
-# ---- The drawings draw what the ranks returned ----------------------------------------------------
+# ---- The drawings draw what the ranks returned ---------------------------------------------
 
 def test_drawings_show_what_the_ranks_hold_and_merge(ranks):
-    from paged_attention.viz.dcp import dcp_merge_weights, draw_dcp_merge, draw_dcp_shares
+    from paged_attention.distributed import dcp_merge_weights
+    from paged_attention.viz.dcp import draw_dcp_merge, draw_dcp_shares
 
     world, cases, results = ranks
     problem = cases["interleave 2"][0]
@@ -330,8 +337,10 @@ def test_drawings_show_what_the_ranks_hold_and_merge(ranks):
     ax = draw_dcp_shares(got, problem.block_size, seq=s)
     for r in range(world):
         shown = [int(t.get_text()) for t in ax.texts if t.get_gid() == f"rank{r}"]
-        assert sorted(shown) == [p for p in range(n) if dcp_owner_rank(p, world, problem.interleave) == r]
-    assert [t.get_text() for t in ax.texts if t.get_gid() == "position"] == [str(p) for p in range(n)]
+        assert sorted(shown) == [p for p in range(n)
+                                 if dcp_owner_rank(p, world, problem.interleave) == r]
+    positions = [t.get_text() for t in ax.texts if t.get_gid() == "position"]
+    assert positions == [str(p) for p in range(n)]
 
     weights = dcp_merge_weights(got, s)
     assert weights.shape == (world, problem.num_heads)

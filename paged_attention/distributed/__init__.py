@@ -8,15 +8,18 @@ oracle), ``spawn`` (a group of processes on one machine: gloo on the CPU, nccl o
 This package sits beside ``model``: it uses ``v1``'s table and the kernels, and nothing below
 the engine imports it.
 """
-from paged_attention.distributed.dcp import (IMPLS, all_gather_partials, dcp_decode_attention,
-                                             get_dcp_local_seq_lens, merge_rank_partials,
-                                             partial_decode_attention)
+from paged_attention.distributed.dcp import (
+    IMPLS, all_gather_partials, dcp_decode_attention, get_dcp_local_seq_lens, merge_rank_partials,
+    partial_decode_attention,
+)
 from paged_attention.distributed.spawn import default_backend, free_port, spawn
-from paged_attention.distributed.workload import (DcpDecodeProblem, RankCache, RankResult, run_dcp_rank,
-                                                  write_rank_cache)
+from paged_attention.distributed.workload import (
+    DcpDecodeProblem, RankCache, RankResult, dcp_merge_weights, run_dcp_rank, write_rank_cache,
+)
 
 __all__ = [
-    "IMPLS", "all_gather_partials", "dcp_decode_attention", "get_dcp_local_seq_lens", "merge_rank_partials",
-    "partial_decode_attention", "default_backend", "free_port", "spawn", "DcpDecodeProblem", "RankCache",
-    "RankResult", "run_dcp_rank", "write_rank_cache",
+    "IMPLS", "all_gather_partials", "dcp_decode_attention", "get_dcp_local_seq_lens",
+    "merge_rank_partials", "partial_decode_attention", "default_backend", "free_port", "spawn",
+    "DcpDecodeProblem", "RankCache", "RankResult", "dcp_merge_weights", "run_dcp_rank",
+    "write_rank_cache",
 ]

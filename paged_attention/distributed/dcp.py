@@ -66,10 +66,13 @@ def get_dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_world_size: int, dcp_rank
     return rounds * interleave + (rem - rank * interleave).clamp(0, interleave)
 
 
-def partial_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                             block_tables: torch.Tensor, local_seq_lens: torch.Tensor, scale: float, *,
-                             impl: str = "triton", max_seq_len: int | None = None,
-                             check_ids: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+Tensors = tuple[torch.Tensor, torch.Tensor]
+
+
+def partial_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, block_tables: torch.Tensor,
+                             local_seq_lens: torch.Tensor, scale: float, *, impl: str = "triton",
+                             max_seq_len: int | None = None, check_ids: bool = True) -> Tensors:
     """Step 1: this rank's attention over its own share, ``(out, lse)``.
 
     ``out`` is ``[num_seqs, num_heads, head_size]`` (the query's dtype with Triton, float64 with
@@ -87,8 +90,8 @@ def partial_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value
     # valid block), and its result is then replaced by the empty one.
     lens = local_seq_lens.clamp(min=1)
     if impl == "reference":
-        out, lse = ref.ref_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
-                                            return_lse=True)
+        out, lse = ref.ref_decode_attention(query, key_cache, value_cache, block_tables, lens,
+                                            scale, return_lse=True)
     else:
         from paged_attention.kernels.triton.decode import paged_attention_decode
 
@@ -102,9 +105,10 @@ def partial_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value
 
 
 def all_gather_partials(out: torch.Tensor, lse: torch.Tensor,
-                        group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 2: every rank's ``(out, lse)``, stacked: ``[W, num_seqs, num_heads, head_size]`` and
-    ``[W, num_seqs, num_heads]``, the same on every rank (two ``torch.distributed`` all-gathers)."""
+                        group: dist.ProcessGroup | None = None) -> Tensors:
+    """Step 2: every rank's ``(out, lse)``, stacked: ``[W, num_seqs, num_heads, head_size]``
+    and ``[W, num_seqs, num_heads]``, the same on every rank (two ``torch.distributed``
+    all-gathers)."""
     world = dist.get_world_size(group)
     outs = out.new_empty((world * out.size(0), *out.shape[1:]))
     lses = lse.new_empty((world * lse.size(0), *lse.shape[1:]))
@@ -113,7 +117,7 @@ def all_gather_partials(out: torch.Tensor, lse: torch.Tensor,
     return outs.view(world, *out.shape), lses.view(world, *lse.shape)
 
 
-def merge_rank_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_rank_partials(outs: torch.Tensor, lses: torch.Tensor) -> Tensors:
     """Step 3: the ranks' partials (along dim 0) merged into attention over the whole context,
     ``(out, lse)``, by the same function that merges v2's partitions: a rank's log-sum-exp is
     the pair (maximum = lse, exp-sum = 1)."""
@@ -122,9 +126,10 @@ def merge_rank_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.T
 
 def dcp_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
-                         interleave: int = 1, group: dist.ProcessGroup | None = None, impl: str = "triton",
-                         max_seq_len: int | None = None, check_ids: bool = True,
-                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         interleave: int = 1, group: dist.ProcessGroup | None = None,
+                         impl: str = "triton", max_seq_len: int | None = None,
+                         check_ids: bool = True,
+                         return_lse: bool = False) -> torch.Tensor | Tensors:
     """One decode step's attention over the whole context, with this rank holding only its share.
 
     Every rank of ``group`` (default: the default group) calls this with the same ``query`` and
@@ -138,9 +143,9 @@ def dcp_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     # 1. Attention over this rank's share: its tokens of each sequence, in order, in its blocks.
     local = get_dcp_local_seq_lens(seq_lens, world, rank, interleave)
-    out, lse = partial_decode_attention(query, key_cache, value_cache, block_tables, local, scale, impl=impl,
-                                        max_seq_len=_local_bound(max_seq_len, world, interleave),
-                                        check_ids=check_ids)
+    out, lse = partial_decode_attention(query, key_cache, value_cache, block_tables, local, scale,
+                                        impl=impl, check_ids=check_ids,
+                                        max_seq_len=_local_bound(max_seq_len, world, interleave))
     # 2. Every rank's output and log-sum-exp. 3. The merge, the same on every rank.
     outs, lses = all_gather_partials(out, lse, group)
     merged, merged_lse = merge_rank_partials(outs, lses)

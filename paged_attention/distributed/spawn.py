@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue as queue_module
 import socket
 from typing import Any, Callable
 
@@ -70,34 +69,37 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, "
                          f"{torch.cuda.device_count()} GPU(s) here (use gloo on the CPU)")
-    results: queue_module.Queue = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), backend, timeout_s, results, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    results = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(
+        _rank_main, args=(fn, world_size, free_port(), backend, timeout_s, results, args),
+        nprocs=world_size, join=False, start_method="spawn")
     got: dict[int, Any] = {}
     # Read results while waiting, so that no rank blocks on a full pipe before it can exit.
     while not context.join(timeout=0.05):
-        while not results.empty():
-            rank, blob = results.get()
-            got[rank] = pickle.loads(blob)
-    while not results.empty():
-        rank, blob = results.get()
-        got[rank] = pickle.loads(blob)
+        _drain(results, got)
+    _drain(results, got)
     missing = [r for r in range(world_size) if r not in got]
     if missing:                        # every rank exited cleanly, yet some sent nothing back
         raise RuntimeError(f"ranks {missing} returned no result")
     return [got[r] for r in range(world_size)]
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float,
-               results: Any, args: tuple) -> None:
+def _drain(results: Any, got: dict[int, Any]) -> None:
+    while not results.empty():
+        rank, blob = results.get()
+        got[rank] = pickle.loads(blob)
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str,
+               timeout_s: float, results: Any, args: tuple) -> None:
     """One rank: join the group, run ``fn``, send its result back, leave the group."""
     if backend == "gloo":
         # The ranks share the machine's cores: one thread each keeps them from fighting.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     else:
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, *args)
         # Plain pickle (not torch's shared-memory reduction): the data travels by value and

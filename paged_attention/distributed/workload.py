@@ -31,7 +31,8 @@ class DcpDecodeProblem:
     """One decode step's batch: ``seq_lens`` whole-context lengths, flash-layout caches of
     ``block_size``-token blocks, ``interleave`` tokens to a rank at a time. ``spare_blocks``
     unused blocks are added to every rank's cache (holding random numbers, as every slot does
-    before it is written)."""
+    before it is written). The numbers are drawn on the device from the seed: the same on
+    every rank of one device type (GPUs of one model)."""
 
     seq_lens: tuple[int, ...]
     num_heads: int = 4
@@ -54,7 +55,8 @@ class DcpDecodeProblem:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
         if self.block_size % self.interleave:
-            raise ValueError(f"the interleave ({self.interleave}) must divide the block size ({self.block_size})")
+            raise ValueError(f"the interleave ({self.interleave}) must divide the block size "
+                             f"({self.block_size})")
 
     @property
     def scale(self) -> float:
@@ -67,9 +69,11 @@ class DcpDecodeProblem:
         """The step's query, ``[num_seqs, num_heads, head_size]``: the same on every rank."""
         device = torch.device(device)
         shape = (len(self.seq_lens), self.num_heads, self.head_size)
-        return torch.randn(shape, generator=self._generator(device, 0), device=device).to(self.dtype)
+        gen = self._generator(device, 0)
+        return torch.randn(shape, generator=gen, device=device).to(self.dtype)
 
-    def sequence_kv(self, s: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    def sequence_kv(self, s: int,
+                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every token of sequence ``s``, ``[seq_len, num_kv_heads, head_size]``
         each, in position order (made one sequence at a time, so a long batch never needs them
         all at once)."""
@@ -101,8 +105,8 @@ class DcpDecodeProblem:
             n = self.seq_lens[s]
             k, v = self.sequence_kv(s, device)
             lens = torch.tensor([n], dtype=torch.int32, device=query.device)
-            o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], one_block, lens, self.scale,
-                                              return_lse=True)
+            o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None], one_block, lens,
+                                              self.scale, return_lse=True)
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
@@ -136,8 +140,9 @@ def write_rank_cache(problem: DcpDecodeProblem, dcp_world_size: int, dcp_rank: i
     device = torch.device(device)
     p = problem
     ids = p.block_ids(dcp_world_size)
-    table = BlockTable(p.block_size, len(p.seq_lens), max(map(len, ids)), max(p.seq_lens), False, device,
-                       p.block_size, p.interleave, dcp_world_size=dcp_world_size, dcp_rank=dcp_rank)
+    table = BlockTable(p.block_size, len(p.seq_lens), max(map(len, ids)), max(p.seq_lens), False,
+                       device, p.block_size, p.interleave, dcp_world_size=dcp_world_size,
+                       dcp_rank=dcp_rank)
     num_blocks = sum(map(len, ids)) + p.spare_blocks
     gen = torch.Generator(device).manual_seed(10_007 + dcp_rank)
     shape = (num_blocks, p.block_size, p.num_kv_heads, p.head_size)
@@ -177,22 +182,32 @@ class RankResult:
     lse: torch.Tensor
 
 
-def run_dcp_rank(rank: int, world_size: int, problem: DcpDecodeProblem, impl: str = "reference") -> RankResult:
+def run_dcp_rank(rank: int, world_size: int, problem: DcpDecodeProblem,
+                 impl: str = "reference") -> RankResult:
     """Rank ``rank``'s part of a DCP decode step over ``problem`` (inside a ``torch.distributed``
     group of ``world_size``, as ``spawn`` makes): write its share, attend over it, all-gather,
     merge. The tensors come back on the CPU."""
     from paged_attention import runtime
 
-    device = torch.device("cuda", rank) if runtime.HAS_CUDA and torch.distributed.get_backend() == "nccl" \
-        else torch.device("cpu")
+    on_gpu = runtime.HAS_CUDA and torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     cache = write_rank_cache(problem, world_size, rank, device, impl)
     query = problem.query(device)
     seq_lens = torch.tensor(problem.seq_lens, dtype=torch.int32, device=device)
     kv = (query, cache.key_cache, cache.value_cache, cache.block_tables)
-    out, lse = dcp.dcp_decode_attention(*kv, seq_lens, problem.scale, interleave=problem.interleave, impl=impl,
-                                        return_lse=True)
+    out, lse = dcp.dcp_decode_attention(*kv, seq_lens, problem.scale, interleave=problem.interleave,
+                                        impl=impl, return_lse=True)
     # The partial again, on its own, to show what this rank contributed.
     local = dcp.get_dcp_local_seq_lens(seq_lens, world_size, rank, problem.interleave)
     partial_out, partial_lse = dcp.partial_decode_attention(*kv, local, problem.scale, impl=impl)
-    return RankResult(rank, problem.block_ids(world_size), cache.slots, local.tolist(), partial_out.cpu(),
-                      partial_lse.cpu(), out.cpu(), lse.cpu())
+    return RankResult(rank, problem.block_ids(world_size), cache.slots, local.tolist(),
+                      partial_out.cpu(), partial_lse.cpu(), out.cpu(), lse.cpu())
+
+
+def dcp_merge_weights(results: Sequence[RankResult], seq: int = 0) -> np.ndarray:
+    """``[ranks, heads]``: each rank's share of the softmax mass of sequence ``seq``,
+    ``exp(lse_r - lse)``, its weight in the merge (the weights of a head sum to 1)."""
+    if not results or not all(isinstance(r, RankResult) for r in results):
+        raise TypeError("results must be a non-empty list of run_dcp_rank's results, one per rank")
+    partial = torch.stack([res.partial_lse[seq].double() for res in results])
+    return torch.exp(partial - results[0].lse[seq].double()).numpy()

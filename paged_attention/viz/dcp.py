@@ -7,7 +7,8 @@
   single-rank answer, and what a plain average of the partials would give.
 
 Both take what ``run_dcp_rank`` returned on each rank (``RankResult``s, in rank order): the
-drawings show what the processes computed, not a formula.
+drawings show what the processes computed, not a formula. The weights come from
+``distributed.workload.dcp_merge_weights``.
 """
 from __future__ import annotations
 
@@ -17,20 +18,33 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
+from paged_attention.distributed.workload import dcp_merge_weights
 from paged_attention.viz.style import EDGE_COLOR, MUTED_COLOR, new_axes, positive_int, seq_color
 
 
 def _check_results(results: Sequence[Any], seq: int) -> int:
     if not isinstance(results, (list, tuple)) or not results:
         raise TypeError("results must be a non-empty list of run_dcp_rank's results, one per rank")
+    fields = ("slots", "block_ids", "local_seq_lens", "partial_out", "partial_lse", "out", "lse")
     for r, res in enumerate(results):
-        for name in ("slots", "block_ids", "local_seq_lens", "partial_out", "partial_lse", "out", "lse"):
+        for name in fields:
             if not hasattr(res, name):
                 raise TypeError(f"results[{r}] has no {name!r}: pass what run_dcp_rank returned")
     num_seqs = len(results[0].slots)
     if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < num_seqs:
         raise ValueError(f"seq must be a sequence index in 0..{num_seqs - 1}, got {seq!r}")
     return seq
+
+
+def _cell(ax: Any, x: float, y: float, color: str, text: str | None, gid: str) -> None:
+    """One token slot: a box, filled with ``color``, with ``text`` (a position) in it."""
+    ax.add_patch(Rectangle((x, y), 1, _CELL_H, facecolor=color, alpha=0.55, edgecolor=EDGE_COLOR,
+                           lw=0.4, gid=gid))
+    if text is not None:
+        ax.text(x + 0.5, y + _CELL_H / 2, text, ha="center", va="center", fontsize=6, gid=gid)
+
+
+_CELL_H, _PITCH = 0.8, 1.3
 
 
 def draw_dcp_shares(results: Sequence[Any], block_size: int, seq: int = 0, ax: Any = None,
@@ -45,51 +59,39 @@ def draw_dcp_shares(results: Sequence[Any], block_size: int, seq: int = 0, ax: A
     n = len(slots[0])
     cols = max(len(res.block_ids[seq]) for res in results)
     width = max(n, cols * (B + 1) - 1)
-    cell_h, pitch = 0.8, 1.3
-    ax = new_axes(ax, figsize=(min(16.0, max(6.0, 1.8 + 0.26 * width)), 1.4 + 0.45 * (world + 1) * pitch))
+    ax = new_axes(ax, figsize=(min(16.0, max(6.0, 1.8 + 0.26 * width)),
+                               1.4 + 0.45 * (world + 1) * _PITCH))
 
     for p in range(n):
         owners = [r for r in range(world) if slots[r][p] >= 0]
-        color = seq_color(owners[0]) if len(owners) == 1 else "white"    # 0 or 2+ owners: a bug, shown blank
-        ax.add_patch(Rectangle((p, 0), 1, cell_h, facecolor=color, alpha=0.55, edgecolor=EDGE_COLOR, lw=0.4,
-                               gid="position"))
-        ax.text(p + 0.5, cell_h / 2, str(p), ha="center", va="center", fontsize=6, gid="position")
-    ax.text(-0.4, cell_h / 2, "positions", ha="right", va="center", fontsize=7.5, fontweight="bold")
+        # Exactly one owner, else (no rank, or several: a bug) the cell is left blank.
+        _cell(ax, p, 0, seq_color(owners[0]) if len(owners) == 1 else "white", str(p), "position")
+    ax.text(-0.4, _CELL_H / 2, "positions", ha="right", va="center", fontsize=7.5,
+            fontweight="bold")
 
     for r, res in enumerate(results):
-        y = -(r + 1) * pitch
-        ids = res.block_ids[seq]
-        ax.text(-0.4, y + cell_h / 2, f"rank {r}\n{res.local_seq_lens[seq]} tokens", ha="right", va="center",
-                fontsize=7.5, color=seq_color(r), fontweight="bold")
-        held = {int(s): p for p, s in enumerate(slots[r]) if s >= 0}
-        for j, block in enumerate(ids):
+        y = -(r + 1) * _PITCH
+        ax.text(-0.4, y + _CELL_H / 2, f"rank {r}\n{res.local_seq_lens[seq]} tokens", ha="right",
+                va="center", fontsize=7.5, color=seq_color(r), fontweight="bold")
+        held = {int(s): p for p, s in enumerate(slots[r]) if s >= 0}     # slot -> position
+        for j, block in enumerate(res.block_ids[seq]):
             x0 = j * (B + 1)
-            ax.text(x0 + B / 2, y + cell_h + 0.08, f"block {block}", ha="center", va="bottom", fontsize=6.5,
-                    color=MUTED_COLOR)
+            ax.text(x0 + B / 2, y + _CELL_H + 0.08, f"block {block}", ha="center", va="bottom",
+                    fontsize=6.5, color=MUTED_COLOR)
             for o in range(B):
                 p = held.get(block * B + o)
-                ax.add_patch(Rectangle((x0 + o, y), 1, cell_h, facecolor=seq_color(r) if p is not None else "white",
-                                       alpha=0.55, edgecolor=EDGE_COLOR, lw=0.4, gid=f"rank{r}"))
-                if p is not None:
-                    ax.text(x0 + o + 0.5, y + cell_h / 2, str(p), ha="center", va="center", fontsize=6,
-                            gid=f"rank{r}")
-            ax.add_patch(Rectangle((x0, y), B, cell_h, facecolor="none", edgecolor=EDGE_COLOR, lw=1.1))
+                _cell(ax, x0 + o, y, seq_color(r) if p is not None else "white",
+                      None if p is None else str(p), f"rank{r}")
+            ax.add_patch(Rectangle((x0, y), B, _CELL_H, facecolor="none", edgecolor=EDGE_COLOR,
+                                   lw=1.1))
 
     ax.set_xlim(-3.0, width + 0.3)
-    ax.set_ylim(-world * pitch - 0.3, cell_h + 0.5)
+    ax.set_ylim(-world * _PITCH - 0.3, _CELL_H + 0.5)
     ax.axis("off")
     ax.set_title(title if title is not None else
-                 f"request {seq} ({n} tokens) over {world} ranks: each rank writes its own positions, "
-                 f"packed in order, into its blocks", fontsize=9.5)
+                 f"request {seq} ({n} tokens) over {world} ranks: each rank writes its own "
+                 f"positions, packed in order, into its blocks", fontsize=9.5)
     return ax
-
-
-def dcp_merge_weights(results: Sequence[Any], seq: int = 0) -> np.ndarray:
-    """``[ranks, heads]``: each rank's share of the softmax mass of sequence ``seq``,
-    ``exp(lse_r - lse)``, the weights of the merge (they sum to 1 per head)."""
-    seq = _check_results(results, seq)
-    partial = torch.stack([res.partial_lse[seq].double() for res in results])
-    return torch.exp(partial - results[0].lse[seq].double()).numpy()
 
 
 def draw_dcp_merge(results: Sequence[Any], oracle: torch.Tensor, seq: int = 0, head: int = 0,
@@ -99,24 +101,29 @@ def draw_dcp_merge(results: Sequence[Any], oracle: torch.Tensor, seq: int = 0, h
     single-rank attention ``oracle`` (``[num_seqs, num_heads, head_size]``) and the plain average
     of the partials (what a merge without the log-sum-exps would give)."""
     seq = _check_results(results, seq)
-    num_heads, head_size = results[0].out.shape[1:]
-    if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < num_heads:
-        raise ValueError(f"head must be in 0..{num_heads - 1}, got {head!r}")
-    d = min(positive_int("num_dims", num_dims), head_size)
-    if not isinstance(oracle, torch.Tensor) or tuple(oracle.shape) != tuple(results[0].out.shape):
-        raise ValueError(f"oracle must be a tensor of shape {tuple(results[0].out.shape)}")
+    shape = tuple(results[0].out.shape)
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < shape[1]:
+        raise ValueError(f"head must be in 0..{shape[1] - 1}, got {head!r}")
+    d = min(positive_int("num_dims", num_dims), shape[2])
+    if not isinstance(oracle, torch.Tensor) or tuple(oracle.shape) != shape:
+        raise ValueError(f"oracle must be a tensor of shape {shape}")
     ax = new_axes(ax, figsize=(9.0, 4.0))
     x = np.arange(d)
+
+    def dims(t: torch.Tensor) -> np.ndarray:
+        return t[seq, head, :d].double().cpu().numpy()
+
     weights = dcp_merge_weights(results, seq)[:, head]
     for r, res in enumerate(results):
-        ax.plot(x, res.partial_out[seq, head, :d].double().numpy(), ls="--", marker="o", ms=4, color=seq_color(r),
-                label=f"rank {r}: {res.local_seq_lens[seq]} tokens, weight {weights[r]:.3f}", gid=f"rank{r}")
-    average = torch.stack([res.partial_out[seq, head, :d].double() for res in results]).mean(0)
-    ax.plot(x, average.numpy(), ls=":", color=MUTED_COLOR, lw=1.5, label="plain average (no rescaling)",
+        ax.plot(x, dims(res.partial_out), ls="--", marker="o", ms=4, color=seq_color(r),
+                label=f"rank {r}: {res.local_seq_lens[seq]} tokens, weight {weights[r]:.3f}",
+                gid=f"rank{r}")
+    average = np.mean([dims(res.partial_out) for res in results], axis=0)
+    ax.plot(x, average, ls=":", color=MUTED_COLOR, lw=1.5, label="plain average (no rescaling)",
             gid="average")
-    ax.plot(x, results[0].out[seq, head, :d].double().numpy(), color=EDGE_COLOR, lw=2,
+    ax.plot(x, dims(results[0].out), color=EDGE_COLOR, lw=2,
             label="merged: sum of weight x partial", gid="merged")
-    ax.plot(x, oracle[seq, head, :d].double().cpu().numpy(), ls="none", marker="x", ms=9, mew=2, color="#E45756",
+    ax.plot(x, dims(oracle), ls="none", marker="x", ms=9, mew=2, color="#E45756",
             label="one rank, whole context", gid="oracle")
     ax.axhline(0, color=MUTED_COLOR, lw=0.5)
     ax.set_xticks(x)
@@ -124,6 +131,6 @@ def draw_dcp_merge(results: Sequence[Any], oracle: torch.Tensor, seq: int = 0, h
     ax.set_ylabel("value")
     ax.legend(fontsize=7.5, loc="best")
     ax.set_title(title if title is not None else
-                 f"request {seq}, head {head}: the ranks' partial outputs, weighted by exp(lse_r - lse), "
-                 f"add up to the answer", fontsize=9.5)
+                 f"request {seq}, head {head}: the ranks' partial outputs, weighted by "
+                 f"exp(lse_r - lse), add up to the answer", fontsize=9.5)
     return ax
