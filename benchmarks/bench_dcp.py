@@ -109,7 +109,8 @@ def _bench_rank(rank: int, world: int, shapes, interleave: int, rep: int, graphs
     log(f"DCP decode over {world} ranks ({dist.get_backend()}): "
         + ", ".join(f"rank {r}: {n}" for r, n in enumerate(names)))
     if not smoke:
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        version = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         log(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}")
         warm_up(1.0)
     model = SMOKE_MODEL if smoke else MODEL
