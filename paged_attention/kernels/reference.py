@@ -164,7 +164,7 @@ def merge_partials(outputs: torch.Tensor, max_logits: torch.Tensor, exp_sums: to
 
     ``max_logits`` (and ``exp_sums``) index the parts along ``dim``; ``outputs`` has the same
     dimensions plus a trailing one (head_size). Returns ``(out, lse)`` with ``lse = M + log
-    sum_p w_p``, the whole context's log-sum-exp, in the promoted dtype (float32 at least).
+    sum_p w_p``, the whole context's log-sum-exp, in the dtype the inputs promote to.
     vLLM's v2 reduction adds ``eps = 1e-6``; decode context parallelism merges with none.
     """
     d = dim % max_logits.dim()
