@@ -11,13 +11,12 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.distributed import (
-    DcpDecodeProblem, all_gather_partials, get_dcp_local_seq_lens, merge_rank_partials,
-    partial_decode_attention, run_dcp_rank, spawn, write_rank_cache,
+    DcpDecodePlan, DcpDecodeProblem, all_gather_partials, dcp_decode_attention,
+    get_dcp_local_seq_lens, merge_rank_partials, partial_decode_attention, run_dcp_rank, spawn,
+    write_rank_cache,
 )
 from paged_attention.distributed.dcp import _local_bound
 from paged_attention.kernels import reference as ref
-from paged_attention.kernels.triton import paged_attention_decode
-from paged_attention.kernels.triton.decode import DecodePlan
 from paged_attention.kernels.workloads import make_decode_problem
 from paged_attention.v1.reference import dcp_owner_rank
 
@@ -48,13 +47,60 @@ def _planted(rank, world, problem, impl, bug):
     return merge_rank_partials(outs, lses)[0]
 
 
+def _other_query(problem):
+    """A second step's query for the same caches: the same on every rank."""
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(problem.query().shape, generator=gen).to(problem.dtype)
+
+
+def _plan_runs(rank, world, problem, impl):
+    """A ``DcpDecodePlan`` kept and run for two steps' queries (the unchecked path, as a model
+    runs it), its partial alone, and the arguments it and ``dcp_decode_attention`` refuse."""
+    cache = write_rank_cache(problem, world, rank, "cpu", impl)
+    seq_lens = torch.tensor(problem.seq_lens, dtype=torch.int32)
+    local = get_dcp_local_seq_lens(seq_lens, world, rank, problem.interleave)
+    kv = (cache.key_cache, cache.value_cache, cache.block_tables)
+    query = problem.query()
+    out_dtype, lse_dtype = (query.dtype, torch.float32) if impl == "triton" else (torch.float64,) * 2
+    out = torch.empty(query.shape, dtype=out_dtype)
+    lse = torch.empty(query.shape[:2], dtype=lse_dtype)
+    bound = _local_bound(max(problem.seq_lens), world, problem.interleave)
+    plan = DcpDecodePlan(query, *kv, local, problem.scale, out=out, lse=lse, impl=impl,
+                         max_seq_len=bound, check_ids=False)
+    runs = []
+    for q in (query, _other_query(problem)):
+        plan.run(out, q, *kv, local, lse)
+        runs.append((out.clone(), lse.clone()))
+    partial = tuple(x.clone() for x in plan.run_partial(query, *kv, local))
+    # the functional form with the counts given: the same numbers
+    again = dcp_decode_attention(query, *kv, seq_lens, problem.scale, interleave=problem.interleave,
+                                 impl=impl, local_seq_lens=local)
+    refused = []
+    for what, call in [
+            ("other dtype", lambda: plan.run(out, query.double(), *kv, local, lse)),
+            ("no lse", lambda: plan.run(out, query, *kv, local)),
+            ("wrong counts", lambda: dcp_decode_attention(
+                query, *kv, seq_lens, problem.scale, interleave=problem.interleave, impl=impl,
+                local_seq_lens=local + 1)),
+            ("bad impl", lambda: DcpDecodePlan(query, *kv, local, problem.scale, impl="cuda"))]:
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            refused.append((what, type(e).__name__))
+    return dict(runs=runs, partial=partial, again=again, refused=refused)
+
+
 def _rank_cases(rank, world, cases):
     """Run every case on this rank: ``{name: RankResult}`` for the library, ``{name: out}`` for a
-    planted bug."""
+    planted bug, a dict for a kept plan."""
     results = {}
     for name, problem, impl, bug in cases:
-        results[name] = (run_dcp_rank(rank, world, problem, impl) if bug is None
-                         else _planted(rank, world, problem, impl, bug))
+        if bug is None:
+            results[name] = run_dcp_rank(rank, world, problem, impl)
+        elif bug == "plan":
+            results[name] = _plan_runs(rank, world, problem, impl)
+        else:
+            results[name] = _planted(rank, world, problem, impl, bug)
     return results
 
 
@@ -66,7 +112,9 @@ def _cases(world):
     if world == 2 and TRITON_CPU:
         fp16 = _problem(1, lens=(2, 33), dtype=torch.float16)
         cases += [("triton, interleave 4", _problem(4, lens=(1, 9, 40)), "triton", None),
-                  ("triton fp16, interleave 1", fp16, "triton", None)]
+                  ("triton fp16, interleave 1", fp16, "triton", None),
+                  ("kept plan, triton", _problem(4, lens=(1, 9, 40)), "triton", "plan")]
+    cases += [("kept plan, reference", _problem(2, lens=(1, 30)), "reference", "plan")]
     return cases
 
 
@@ -146,6 +194,55 @@ def test_partials_are_the_ranks_own_attention(ranks):
                                               problem.scale, return_lse=True)
             torch.testing.assert_close(got.partial_out[s], o[0], rtol=0, atol=1e-12)
             torch.testing.assert_close(got.partial_lse[s], lse[0], rtol=0, atol=1e-12)
+
+
+def _oracle(problem, query):
+    """Float64 ``(out, lse)`` of ``query`` over each whole sequence's keys and values as made."""
+    outs, lses = [], []
+    for s, n in enumerate(problem.seq_lens):
+        k, v = problem.sequence_kv(s)
+        o, lse = ref.ref_decode_attention(query[s:s + 1], k[None], v[None],
+                                          torch.zeros(1, 1, dtype=torch.int32), torch.tensor([n]),
+                                          problem.scale, return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def test_a_kept_plan_runs_step_after_step(ranks):
+    """``DcpDecodePlan`` made once and run with two steps' queries (new contents, the same
+    buffers): each run is the whole context's attention on every rank; its partial alone is the
+    rank's share; the functional form gives the same numbers; bad arguments are refused."""
+    world, cases, results = ranks
+    names = [name for name, (_, _, bug) in cases.items() if bug == "plan"]
+    assert names
+    for name in names:
+        problem, impl, _ = cases[name]
+        tol = _tolerance(problem, impl)
+        for rank in range(world):
+            got = results[rank][name]
+            for i, q in enumerate((problem.query(), _other_query(problem))):
+                out, lse = got["runs"][i]
+                oracle, oracle_lse = _oracle(problem, q)
+                assert _error(out, oracle) < tol and _error(lse, oracle_lse) < 1e-5, (name, rank)
+                assert torch.equal(out, results[0][name]["runs"][i][0])     # the same everywhere
+            assert torch.equal(got["again"], got["runs"][0][0])
+            local = get_dcp_local_seq_lens(torch.tensor(problem.seq_lens), world, rank,
+                                           problem.interleave)
+            out, lse = got["partial"]
+            expected, expected_lse = partial_decode_attention(
+                problem.query(), *_rank_cache_args(problem, world, rank), local, problem.scale,
+                impl="reference")
+            assert _error(out, expected) < tol
+            assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))  # empty shares
+            assert _error(lse.nan_to_num(neginf=0.0), expected_lse.nan_to_num(neginf=0.0)) < 1e-5
+            assert got["refused"] == [("other dtype", "ValueError"), ("no lse", "ValueError"),
+                                      ("wrong counts", "ValueError"), ("bad impl", "ValueError")]
+
+
+def _rank_cache_args(problem, world, rank):
+    cache = write_rank_cache(problem, world, rank, "cpu", "reference")
+    return cache.key_cache, cache.value_cache, cache.block_tables
 
 
 @pytest.mark.parametrize("bug", ["wrong share", "wrong share, interleave 4", "no rescale"])
@@ -229,37 +326,6 @@ def test_merge_with_exp_sums_is_v2s_reduction():
     torch.testing.assert_close(out2, out)
     _, empty = ref.merge_partials(o, torch.full_like(m, float("-inf")))
     assert torch.isneginf(empty).all()
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_lse_matches_the_reference(device, num_splits):
-    p = make_decode_problem([1, 9, 70], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
-                            device=device, seed=5)
-    oracle, oracle_lse = ref.ref_decode_attention(*p.decode_args(), return_lse=True)
-    out = torch.empty_like(p.query)
-    lse = torch.full((3, 4), float("nan"), device=device)
-    # 16-token tiles, so that the interpreter too cuts the 70 tokens into num_splits ranges and
-    # the log-sum-exp comes from the merge kernel
-    plan = DecodePlan(*p.decode_args(), out=out, num_splits=num_splits, launch=(16, 1, 1), lse=lse)
-    assert plan.num_splits == num_splits
-    plan.run(out, *p.decode_args()[:-2], None, lse)
-    torch.testing.assert_close(lse.double().cpu(), oracle_lse.cpu(), rtol=0, atol=1e-5)
-    torch.testing.assert_close(out.double(), oracle, rtol=0, atol=1e-5)
-
-
-def test_triton_lse_refuses_bad_buffers(device):
-    p = make_decode_problem([5, 9], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
-                            device=device)
-    out = torch.empty_like(p.query)
-    bad = {TypeError: [torch.empty(2, 4, dtype=torch.float64, device=device), [0.0] * 8],
-           ValueError: [torch.empty(2, 3, device=device), torch.empty(4, 2, device=device).t(),
-                        torch.empty(8, device=device)]}
-    for error, buffers in bad.items():
-        for lse in buffers:
-            out.fill_(7.0)
-            with pytest.raises(error):
-                paged_attention_decode(out, *p.decode_args(), lse=lse)
-            assert (out == 7.0).all()               # refused before the launch
 
 
 def test_empty_share_weighs_nothing():

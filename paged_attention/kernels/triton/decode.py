@@ -62,6 +62,14 @@ def load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
 
 
 @triton.jit
+def _lse(m, total):
+    """The natural log-sum-exp ``ln 2 * (m + log2 total)`` of scores whose base-2 maximum is ``m``
+    and whose sum of ``2^(score - m)`` is ``total``; ``-inf`` where there were none (0)."""
+    return tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
+                    float("-inf"))
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
@@ -135,11 +143,13 @@ def _paged_decode_kernel(
 
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
-        out = acc / l_i[:, None]
+        # An empty sequence (l = 0: only unchecked calls may pass a length of 0) gets a zero
+        # output and lse = -inf, as an empty split does below: weight zero in any later merge.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq * o_stride_s + head[:, None] * o_stride_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
         if STORE_LSE:                                     # ln(sum of e^score) = ln2 * (m + log2 l)
-            tl.store(lse_ptr + seq * num_heads + head, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=g_mask)
+            tl.store(lse_ptr + seq * num_heads + head, _lse(m_i, l_i), mask=g_mask)
     else:
         # Partial result of this split: normalised output, max and sum, in float32 buffers of
         # shape [num_seqs, num_heads, num_splits(, HEAD_SIZE)]. An empty split (start >= end)
@@ -155,37 +165,49 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     o_stride_s, o_stride_h, num_splits,
+    po_stride_p, po_stride_s, po_stride_h,      # partial outputs: per part, sequence, head
+    pm_stride_p, pm_stride_s, pm_stride_h,      # their maxima (and sums, laid out alike)
     HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+    LSE_PARTS: tl.constexpr,                    # parts given by natural-log lse (sum 1), not (m, l)
 ):
-    # One program per (sequence, query head): merge its num_splits partial results.
+    # One program per (sequence, query head): merge its num_splits partial results. The parts
+    # are a decode's splits (base-2 maxima and sums) or, with LSE_PARTS, attention over disjoint
+    # shares of a context given by their log-sum-exps (decode context parallelism's ranks).
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    base = (seq * tl.num_programs(1) + head) * num_splits
     i = tl.arange(0, BLOCK_S)
     i_mask = i < num_splits
-    m = tl.load(part_m_ptr + base + i, mask=i_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + base + i, mask=i_mask, other=0.0)
+    pm = seq * pm_stride_s + head * pm_stride_h + i * pm_stride_p
+    m = tl.load(part_m_ptr + pm, mask=i_mask, other=float("-inf"))
+    if LSE_PARTS:
+        m = m * 1.4426950408889634                # ln -> log2; an empty part (-inf) has no mass
+        sums = tl.where(m > float("-inf"), 1.0, 0.0)
+    else:
+        sums = tl.load(part_l_ptr + pm, mask=i_mask, other=0.0)
     m_max = tl.max(m, axis=0)
-    w = l * tl.exp2(m - m_max)                 # each split's softmax mass, on a common scale
-    w = tl.where(i_mask & (l > 0), w, 0.0)     # empty splits weigh nothing (and avoid -inf - -inf)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)   # all parts empty: no -inf - -inf
+    w = sums * tl.exp2(m - m_ref)              # each split's softmax mass, on a common scale
+    w = tl.where(i_mask & (sums > 0), w, 0.0)  # empty splits weigh nothing
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_SIZE
-    o = tl.load(part_out_ptr + (base + i)[:, None] * HEAD_SIZE + d[None, :],
-                mask=i_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    po = seq * po_stride_s + head * po_stride_h + i * po_stride_p
+    o = tl.load(part_out_ptr + po[:, None] + d[None, :], mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    # All parts empty (a sequence of length 0): a zero output and lse = -inf, not 0 / 0.
+    out = tl.sum(o.to(tl.float32) * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * o_stride_s + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
     if STORE_LSE:
-        tl.store(lse_ptr + seq * tl.num_programs(1) + head, (m_max + tl.log2(tl.sum(w, axis=0))) * 0.6931471805599453)
+        tl.store(lse_ptr + seq * tl.num_programs(1) + head, _lse(m_max, total))
 
 
-def check_lse(lse: torch.Tensor | None, query: torch.Tensor) -> None:
+def check_lse(lse: torch.Tensor | None, query: torch.Tensor, query_name: str = "query") -> None:
     """An ``lse`` output is None or a contiguous float32 ``[num_seqs, num_heads]`` tensor on the
     query's device (the kernels index it as one flat row per sequence)."""
     if lse is None:
         return
     args.tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
     args.shape("lse", lse, query.shape[:2])
-    args.same_device(query=query, lse=lse)
+    args.same_device(**{query_name: query, "lse": lse})
     if not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous (the kernels write it as one flat row per sequence), "
                          f"got strides {list(lse.stride())}")
@@ -312,11 +334,15 @@ class DecodePlan:
             num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             self._merge_grid = (num_seqs, num_heads)
+            # The split buffers: [num_seqs, num_heads, num_splits(, head_size)], contiguous.
             self._merge = Launcher(
                 _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr"),
                 o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_splits,
+                po_stride_p=head_size, po_stride_s=num_heads * num_splits * head_size,
+                po_stride_h=num_splits * head_size,
+                pm_stride_p=1, pm_stride_s=num_heads * num_splits, pm_stride_h=num_splits,
                 HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_S=triton.next_power_of_2(num_splits),
-                STORE_LSE=lse is not None)
+                STORE_LSE=lse is not None, LSE_PARTS=False)
 
     def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None,
@@ -389,7 +415,9 @@ def paged_attention_decode(
     what a caller needs to merge this result with attention over other tokens of the same
     sequence (``reference.merge_partials``; decode context parallelism merges its ranks' so). The
     kernel keeps ``m`` (base 2) and ``l``; the log-sum-exp is ``ln 2 * (m + log2 l)``, and with
-    splits ``ln 2 * (M + log2 sum_i w_i)``.
+    splits ``ln 2 * (M + log2 sum_i w_i)`` (the split merge writes it). An unchecked call may pass
+    a length of 0: that sequence reads nothing and gets a zero output and an ``lse`` of ``-inf``,
+    a part that weighs nothing in a merge (a DCP rank holding none of a short sequence's tokens).
 
     The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
     combination of shapes, strides, dtypes and options, and later calls reuse that
@@ -408,3 +436,69 @@ def paged_attention_decode(
         lambda: DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
                            max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch, lse=lse))
     plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
+
+
+# ---- Merging attention over disjoint parts of a context, given by their log-sum-exps ----------
+
+class MergePlan:
+    """Attention over a whole context from attention over its disjoint parts, on the device: the
+    split merge kernel above, fed parts given by their log-sum-exps, in float32
+    (``reference.merge_partials`` with ``exp_sums`` left out is its oracle). Decode context
+    parallelism merges its ranks' partials so. Checked and prepared once, then run many times,
+    like ``DecodePlan``.
+
+    ``outputs``: ``[num_parts, num_seqs, num_heads, head_size]``, part ``p``'s attention normalised
+    over its own tokens (any float dtype); ``lses``: float32 ``[num_parts, num_seqs, num_heads]``,
+    ``-inf`` for a part that has no tokens (it weighs nothing). ``out``: ``[num_seqs, num_heads,
+    head_size]``, any float dtype; ``lse``, optional: the whole context's log-sum-exps, a
+    contiguous float32 ``[num_seqs, num_heads]``. Every input may be a strided view (the strides
+    go to the kernel) whose head dimension is contiguous. A sequence whose parts are all empty
+    gets a zero output and ``-inf``.
+    """
+
+    def __init__(self, out: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor,
+                 lse: torch.Tensor | None = None) -> None:
+        args.tensor("outputs", outputs, ndim=4, dtypes=args.FLOAT_DTYPES)
+        args.tensor("lses", lses, ndim=3, dtypes=(torch.float32,))
+        args.tensor("out", out, ndim=3, dtypes=args.FLOAT_DTYPES)
+        num_parts, num_seqs, num_heads, head_size = outputs.shape
+        if num_parts < 1:
+            raise ValueError("outputs must hold at least one part (dimension 0), got none")
+        args.shape("lses", lses, outputs.shape[:3])
+        args.shape("out", out, outputs.shape[1:])
+        args.same_device(out=out, outputs=outputs, lses=lses)
+        args.unit_last_stride(out=out, outputs=outputs)
+        args.no_broadcast_dims("out", out)
+        check_lse(lse, out, "out")
+        self.signature = tuple(map(tensor_signature, (out, outputs, lses, lse)))
+        self._grid = (num_seqs, num_heads)
+        self._merge = Launcher(
+            _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr"),
+            o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_parts,
+            po_stride_p=outputs.stride(0), po_stride_s=outputs.stride(1), po_stride_h=outputs.stride(2),
+            pm_stride_p=lses.stride(0), pm_stride_s=lses.stride(1), pm_stride_h=lses.stride(2),
+            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
+            BLOCK_S=max(2, triton.next_power_of_2(num_parts)), STORE_LSE=lse is not None, LSE_PARTS=True)
+
+    def run(self, out: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor,
+            lse: torch.Tensor | None = None) -> None:
+        """Merge into ``out`` (and ``lse`` if the plan was made with one); the tensors must match
+        the plan (``ValueError`` if not)."""
+        tensors = (out, outputs, lses, lse)
+        check_planned("MergePlan", ("out", "outputs", "lses", "lse"), tensors, self.signature,
+                      optional=("lse",))
+        self._launch(*tensors)
+
+    def _launch(self, out, outputs, lses, lse=None) -> None:
+        if self._grid[0] == 0:
+            return
+        # the sums (part_l_ptr) are not read with LSE_PARTS; lse_ptr only with STORE_LSE
+        self._merge.pinned(self._grid, out, outputs, lses, lses, out if lse is None else lse)
+
+
+def merge_partials(out: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor,
+                   lse: torch.Tensor | None = None) -> None:
+    """Merge attention over disjoint parts (along dim 0 of ``outputs`` and ``lses``) into ``out``,
+    and the whole context's log-sum-exps into ``lse`` if given: see ``MergePlan``."""
+    MergePlan(out, outputs, lses, lse)._launch(out, outputs, lses, lse)
+
