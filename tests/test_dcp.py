@@ -11,7 +11,7 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.distributed import (
-    DcpDecodePlan, DcpDecodeProblem, all_gather_partials, dcp_decode_attention,
+    DcpDecodePlan, DcpDecodeProblem, PartialsExchange, all_gather_partials, dcp_decode_attention,
     get_dcp_local_seq_lens, merge_rank_partials, partial_decode_attention, run_dcp_rank, spawn,
     write_rank_cache,
 )
@@ -82,7 +82,9 @@ def _plan_runs(rank, world, problem, impl):
             ("wrong counts", lambda: dcp_decode_attention(
                 query, *kv, seq_lens, problem.scale, interleave=problem.interleave, impl=impl,
                 local_seq_lens=local + 1)),
-            ("bad impl", lambda: DcpDecodePlan(query, *kv, local, problem.scale, impl="cuda"))]:
+            ("bad impl", lambda: DcpDecodePlan(query, *kv, local, problem.scale, impl="cuda")),
+            ("expanded out", lambda: DcpDecodePlan(query, *kv, local, problem.scale, impl=impl,
+                                                   out=out[:1].expand(out.shape)))]:
         try:
             call()
         except (TypeError, ValueError) as e:
@@ -237,7 +239,8 @@ def test_a_kept_plan_runs_step_after_step(ranks):
             assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))  # empty shares
             assert _error(lse.nan_to_num(neginf=0.0), expected_lse.nan_to_num(neginf=0.0)) < 1e-5
             assert got["refused"] == [("other dtype", "ValueError"), ("no lse", "ValueError"),
-                                      ("wrong counts", "ValueError"), ("bad impl", "ValueError")]
+                                      ("wrong counts", "ValueError"), ("bad impl", "ValueError"),
+                                      ("expanded out", "ValueError")]
 
 
 def _rank_cache_args(problem, world, rank):
@@ -281,6 +284,28 @@ def test_local_seq_lens_refuse_bad_arguments():
         get_dcp_local_seq_lens([5], 2, 0)
     with pytest.raises(TypeError):
         get_dcp_local_seq_lens(lens.float(), 2, 0)
+
+
+def test_one_exchange_buffer_carries_output_and_lse():
+    """A rank's output and log-sum-exps side by side in one byte buffer (16-byte aligned), and the
+    received rows seen as ``[world, ...]`` tensors: each rank's row is its own pair."""
+    world, shape = 3, (2, 4, 5)                  # 80 bytes of fp16 output, then 32 of lse
+    ex = PartialsExchange(world, shape, torch.float16, torch.float32, torch.device("cpu"))
+    assert ex.out.shape == shape and ex.lse.shape == shape[:2] and ex.send.numel() == 112
+    assert ex.out.data_ptr() == ex.send.data_ptr() and ex.lse.data_ptr() % 16 == 0
+    pairs = [(torch.randn(shape).half(), torch.randn(shape[:2])) for _ in range(world)]
+    for r, (o, lse) in enumerate(pairs):         # what the all-gather does, rank by rank
+        ex.out.copy_(o)
+        ex.lse.copy_(lse)
+        ex.recv.view(world, -1)[r] = ex.send
+    for r, (o, lse) in enumerate(pairs):
+        assert torch.equal(ex.outs[r], o) and torch.equal(ex.lses[r], lse)
+    with pytest.raises(ValueError):
+        PartialsExchange(0, shape, torch.float16, torch.float32, "cpu")
+    with pytest.raises(ValueError):
+        PartialsExchange(2, (2, 4), torch.float16, torch.float32, "cpu")
+    with pytest.raises(TypeError):
+        PartialsExchange(2, shape, "float16", torch.float32, "cpu")
 
 
 def test_merge_of_parts_is_attention_over_the_whole():

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from paged_attention.kernels import args
 from paged_attention.kernels import reference as ref
 from paged_attention.kernels.triton.launch import cached_plan, check_planned, tensor_signature
-from paged_attention.utils import check_int
+from paged_attention.utils import check_int, check_int_list
 
 IMPLS = ("triton", "reference")
 """Decode implementations a rank can attend with: the project's Triton kernel (compiled on a
@@ -151,7 +151,15 @@ class PartialsExchange:
 
     def __init__(self, world: int, shape: tuple[int, int, int], out_dtype: torch.dtype,
                  lse_dtype: torch.dtype, device: torch.device) -> None:
-        num_seqs, num_heads, head_size = shape
+        world = check_int("world", world, minimum=1)
+        sizes = check_int_list("shape", shape, 0)
+        if len(sizes) != 3:
+            raise ValueError(f"shape must be [num_seqs, num_heads, head_size], got {shape}")
+        num_seqs, num_heads, head_size = sizes
+        for name, dtype in (("out_dtype", out_dtype), ("lse_dtype", lse_dtype)):
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
+        shape = (num_seqs, num_heads, head_size)
         out_bytes = num_seqs * num_heads * head_size * out_dtype.itemsize
         lse_bytes = num_seqs * num_heads * lse_dtype.itemsize
         lse_at = -(-out_bytes // 16) * 16
@@ -237,6 +245,7 @@ class DcpDecodePlan:
         args.tensor("out", out, ndim=3, dtypes=(out_dtype,))
         args.shape("out", out, query.shape)
         args.same_device(query=query, out=out)
+        args.no_broadcast_dims("out", out)
         if lse is not None:
             args.tensor("lse", lse, ndim=2, dtypes=(lse_dtype,))
             args.shape("lse", lse, query.shape[:2])
@@ -263,9 +272,12 @@ class DcpDecodePlan:
         check_planned("DcpDecodePlan", _RUN_ARGS,
                       (out, query, key_cache, value_cache, block_tables, local_seq_lens, lse),
                       self.signature, optional=("lse",))
-        self._partial(query, key_cache, value_cache, block_tables, local_seq_lens)
         ex = self.exchange
+        # 1. Attention over this rank's share, straight into its part of the exchange.
+        self._partial(query, key_cache, value_cache, block_tables, local_seq_lens)
+        # 2. Every rank's output and log-sum-exps, in rank order: one all-gather.
         ex.all_gather(self.group)
+        # 3. The merge, the same on every rank: in float32 on the device, or the float64 oracle.
         if self.impl == "triton":
             self._merge._launch(out, ex.outs, ex.lses, lse)
         else:
@@ -351,9 +363,7 @@ def dcp_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         plan = cached_plan(_PLANS, _MAX_PLANS, lambda: (
             tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, local,
                                          lse))), scale, bound, impl, group, world, rank), make)
-    # 1. Attention over this rank's share: its tokens of each sequence, in order, in its blocks.
-    # 2. Every rank's output and log-sum-exps, one all-gather. 3. The merge, the same everywhere.
-    plan.run(out, query, key_cache, value_cache, block_tables, local, lse)
+    plan.run(out, query, key_cache, value_cache, block_tables, local, lse)     # the three moves
     return (out, lse) if return_lse else out
 
 
