@@ -165,10 +165,14 @@ def _machine(world: int, smoke: bool) -> dict:
     return info
 
 
+def _device(rank: int, smoke: bool) -> torch.device:
+    return torch.device("cpu") if smoke else torch.device("cuda", rank)
+
+
 def _bench_rank(rank: int, world: int, shapes, interleave: int, rep: int, graphs: bool,
                 log_path: str | None, smoke: bool) -> dict:
     """One rank of the benchmark: every shape in turn; rank 0 prints and logs."""
-    device = torch.device("cpu") if smoke else torch.device("cuda", rank)
+    device = _device(rank, smoke)
     log = Log(log_path, rank == 0)
     machine = _machine(world, smoke)
     log(f"DCP decode over {world} ranks ({machine['backend']}): "
