@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+from paged_attention.kernels import reference as ref
 from paged_attention.kernels.reference import ref_decode_attention
 from paged_attention.kernels.triton import choose_num_splits, paged_attention_decode
-from paged_attention.kernels.workloads import assert_close_to_oracle, make_decode_problem
+from paged_attention.kernels.triton.decode import DecodePlan, MergePlan, merge_partials
+from paged_attention.kernels.workloads import assert_close_to_oracle, every_other, make_decode_problem
 
 from conftest import dtype_params
 
@@ -105,3 +107,116 @@ def test_large_gqa_batch_on_gpu(dtype):
                             block_size=16, dtype=dtype, device="cuda", seed=9)
     assert_close_to_oracle(_run(p), ref_decode_attention(*p.decode_args()))
     assert_close_to_oracle(_run(p, num_splits=16), ref_decode_attention(*p.decode_args()))
+
+
+# ---- Log-sum-exps: what a caller needs to merge attention over parts of a context -------------
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_lse_matches_the_reference(device, num_splits):
+    p = make_decode_problem([1, 9, 70], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            device=device, seed=5)
+    oracle, oracle_lse = ref.ref_decode_attention(*p.decode_args(), return_lse=True)
+    out = torch.empty_like(p.query)
+    lse = torch.full((3, 4), float("nan"), device=device)
+    # 16-token tiles, so that the interpreter too cuts the 70 tokens into num_splits ranges and
+    # the log-sum-exp comes from the merge kernel
+    plan = DecodePlan(*p.decode_args(), out=out, num_splits=num_splits, launch=(16, 1, 1), lse=lse)
+    assert plan.num_splits == num_splits
+    plan.run(out, *p.decode_args()[:-2], None, lse)
+    torch.testing.assert_close(lse.double().cpu(), oracle_lse.cpu(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), oracle, rtol=0, atol=1e-5)
+
+
+def test_triton_lse_refuses_bad_buffers(device):
+    p = make_decode_problem([5, 9], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            device=device)
+    out = torch.empty_like(p.query)
+    bad = {TypeError: [torch.empty(2, 4, dtype=torch.float64, device=device), [0.0] * 8],
+           ValueError: [torch.empty(2, 3, device=device), torch.empty(4, 2, device=device).t(),
+                        torch.empty(8, device=device)]}
+    for error, buffers in bad.items():
+        for lse in buffers:
+            out.fill_(7.0)
+            with pytest.raises(error):
+                paged_attention_decode(out, *p.decode_args(), lse=lse)
+            assert (out == 7.0).all()               # refused before the launch
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_lse_of_an_empty_sequence_is_minus_inf(device, num_splits):
+    """An unchecked call may pass a length of 0 (a DCP rank holding none of a sequence's tokens):
+    zero output, lse = -inf, with or without splits, and the other sequences unchanged."""
+    p = make_decode_problem([4, 9, 70, 2], num_heads=4, num_kv_heads=2, head_size=16, block_size=8,
+                            device=device, seed=6)
+    oracle, oracle_lse = ref_decode_attention(*p.decode_args(), return_lse=True)
+    lens = p.seq_lens.clone()
+    lens[[0, 3]] = 0
+    out = torch.full_like(p.query, float("nan"))
+    lse = torch.full((4, 4), float("nan"), device=device)
+    paged_attention_decode(out, p.query, p.key_cache, p.value_cache, p.block_tables, lens, p.scale,
+                           num_splits=num_splits, max_seq_len=70, check_ids=False, launch=(16, 1, 1),
+                           lse=lse)
+    assert (out[[0, 3]] == 0).all() and torch.isneginf(lse[[0, 3]]).all()      # not NaN = 0 / 0
+    torch.testing.assert_close(out[1:3].double(), oracle[1:3], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse[1:3].double().cpu(), oracle_lse[1:3].cpu(), rtol=0, atol=1e-5)
+    # the checked path still refuses a length of 0: no decode step has an empty sequence
+    with pytest.raises(ValueError):
+        paged_attention_decode(out, p.query, p.key_cache, p.value_cache, p.block_tables, lens, p.scale)
+
+
+def _parts(device, dtype=torch.float32, num_parts=3, seed=0):
+    """Attention over ``num_parts`` random parts of 5 sequences, as (outputs, lses): sequence 1's
+    last part is empty, and all of sequence 3's."""
+    gen = torch.Generator().manual_seed(seed)
+    outputs = torch.randn(num_parts, 5, 4, 16, generator=gen, dtype=torch.float64)
+    lses = 3 * torch.randn(num_parts, 5, 4, generator=gen, dtype=torch.float64)
+    lses[-1, 1] = float("-inf")
+    lses[:, 3] = float("-inf")
+    outputs[-1, 1] = 0.0
+    outputs[:, 3] = 0.0
+    return outputs.to(device, dtype), lses.to(device, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_parts", [1, 2, 5])
+def test_lse_merge_matches_the_reference(device, dtype, num_parts):
+    """The Triton merge of parts given by their log-sum-exps (decode context parallelism's ranks)
+    against ``reference.merge_partials`` in float64, through strided views."""
+    outputs, lses = _parts(device, dtype, num_parts)
+    expected, expected_lse = ref.merge_partials(outputs.double(), lses.double(), dim=0)
+    strided_outputs = every_other(outputs, 1, float("nan"))      # gaps of NaN between sequences
+    strided_lses = lses.transpose(1, 2).contiguous().transpose(1, 2)
+    out = every_other(torch.full((5, 4, 16), float("nan"), device=device, dtype=dtype), 1, 7.0)
+    lse = torch.full((5, 4), float("nan"), device=device)
+    merge_partials(out, strided_outputs, strided_lses, lse)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), expected.nan_to_num(0.0), rtol=0, atol=tol)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=0, atol=1e-5)
+    assert (out[3] == 0).all() and torch.isneginf(lse[3]).all()   # all parts empty: 0, -inf
+    if num_parts > 1:        # a merge that does not rescale by the log-sum-exps is wrong
+        assert (outputs.double().mean(0) - expected)[[0, 2, 4]].abs().max() > 1e-2
+
+
+def test_lse_merge_plan_runs_again_and_refuses_bad_arguments(device):
+    outputs, lses = _parts(device)
+    out = torch.empty(5, 4, 16, device=device)
+    plan = MergePlan(out, outputs, lses)
+    outputs2, lses2 = _parts(device, seed=1)
+    plan.run(out, outputs2, lses2)                          # new contents, same plan
+    expected = ref.merge_partials(outputs2.double(), lses2.double(), dim=0)[0].nan_to_num(0.0)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+    bad = {TypeError: [(out, outputs, lses.double(), None), (out, outputs.int(), lses, None),
+                       (out, outputs, lses, torch.empty(5, 4, device=device, dtype=torch.float64))],
+           ValueError: [(out, outputs, lses[:, :4], None), (out[:4], outputs, lses, None),
+                        (out, outputs[..., ::2], lses, None), (out, outputs[:0], lses[:0], None),
+                        (torch.empty(1, 4, 16, device=device).expand(5, 4, 16), outputs, lses, None),
+                        (out, outputs, lses, torch.empty(4, 5, device=device).t())]}
+    for error, cases in bad.items():
+        for case in cases:
+            out.fill_(7.0)
+            with pytest.raises(error):
+                merge_partials(*case)
+            assert (out == 7.0).all()                       # refused before the launch
+    with pytest.raises(ValueError):
+        plan.run(out, outputs.transpose(1, 2).contiguous().transpose(1, 2), lses)   # other strides
+

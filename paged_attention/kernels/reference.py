@@ -4,6 +4,8 @@ Two kinds of reference live here.
 
 * ``ref_decode_attention``: dense attention in float64 for one decode step, read through block
   tables from a flash-layout cache. It is the ground truth every kernel is compared against.
+* ``merge_partials``: attention over a context from attention over its parts (v2's partitions,
+  decode context parallelism's ranks), each part reduced to its output and log-sum-exp.
 * Plain-torch versions of vLLM's cache and attention ops, with vLLM's names, argument order and
   layouts, so that a CUDA or Triton kernel can be swapped in and compared call for call:
   ``reshape_and_cache`` (v0 layout), ``reshape_and_cache_flash`` (flash layout, NHD or HND),
@@ -37,6 +39,7 @@ SOFTMAX_EPS = 1e-6
 
 __all__ = [
     "SOFTMAX_EPS", "PARTITION_SIZE", "v0_x", "flash_to_v0", "v0_to_flash", "gather_kv", "ref_decode_attention",
+    "merge_partials",
     "reshape_and_cache", "reshape_and_cache_flash", "copy_blocks", "swap_blocks", "v2_scratch", "v0_decode_args",
     "paged_attention_v1", "paged_attention_v2",
 ]
@@ -121,25 +124,58 @@ def ref_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of one decode step, in float64: the ground truth.
 
     ``query`` is ``[num_seqs, num_heads, head_size]``, the caches are flash layout
     ``[num_blocks, block_size, num_kv_heads, head_size]`` (any strides), ``block_tables`` is
     ``[num_seqs, max_blocks]`` and ``seq_lens`` is ``[num_seqs]``. Returns float64
-    ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon).
+    ``[num_seqs, num_heads, head_size]``. An exact softmax (no epsilon). With ``return_lse``,
+    returns ``(out, lse)``: ``lse[s, h] = log(sum_j exp(logit_j))``, float64 ``[num_seqs,
+    num_heads]``, what ``merge_partials`` needs to combine this result with attention over other
+    tokens.
     """
     args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, scale=scale)
     scale = float(scale)
     num_seqs, num_heads, head_size = query.shape
     out = torch.empty(num_seqs, num_heads, head_size, dtype=torch.float64, device=query.device)
+    lse = torch.empty(num_seqs, num_heads, dtype=torch.float64, device=query.device)
     slopes = None if alibi_slopes is None else alibi_slopes.double()
     for s, seq_len in enumerate(seq_lens.tolist()):
         k, v = gather_kv(key_cache, value_cache, block_tables[s], seq_len)
         positions = torch.arange(seq_len, device=query.device)
         logits = _logits(query[s].double(), k.double(), scale, slopes, positions, seq_len)
         out[s] = _weighted_values(torch.softmax(logits, dim=-1), v.double())
-    return out
+        lse[s] = torch.logsumexp(logits, dim=-1)
+    return (out, lse) if return_lse else out
+
+
+def merge_partials(outputs: torch.Tensor, max_logits: torch.Tensor, exp_sums: torch.Tensor | None = None,
+                   *, dim: int = -1, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a whole context from attention over its disjoint parts.
+
+    Part ``p`` reports its output ``o_p``, normalised over its own tokens, its largest logit
+    ``m_p`` and ``s_p = sum exp(logit - m_p)`` over its tokens. ``exp(logit - M) = exp(logit - m_p)
+    * exp(m_p - M)``, so rescaling each part's sum to the largest maximum ``M`` puts them all on
+    one scale: ``w_p = s_p * exp(m_p - M)`` and ``out = sum_p w_p o_p / (sum_p w_p + eps)``.
+    A part given by its log-sum-exp ``lse_p = m_p + log s_p`` is the pair ``(lse_p, 1)``: leave
+    ``exp_sums`` out. An empty part (``m_p = -inf`` or ``s_p = 0``) weighs nothing.
+
+    ``max_logits`` (and ``exp_sums``) index the parts along ``dim``; ``outputs`` has the same
+    dimensions plus a trailing one (head_size). Returns ``(out, lse)`` with ``lse = M + log
+    sum_p w_p``, the whole context's log-sum-exp, in the dtype the inputs promote to.
+    vLLM's v2 reduction adds ``eps = 1e-6``; decode context parallelism merges with none.
+    """
+    d = dim % max_logits.dim()
+    top = max_logits.amax(dim=d, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))     # all parts empty: no NaN
+    w = torch.exp(max_logits - top)
+    if exp_sums is not None:
+        w = exp_sums * w
+    total = w.sum(dim=d)
+    out = (outputs * w.unsqueeze(-1)).sum(dim=d) / (total + eps).unsqueeze(-1)
+    return out, top.squeeze(d) + torch.log(total)
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,7 +434,6 @@ def paged_attention_v2(
         if n == 1:
             out[s] = tmp_out[s, :, 0]
             continue
-        m = max_logits[s, :, :n]
-        w = exp_sums[s, :, :n] * torch.exp(m - m.amax(dim=-1, keepdim=True))   # [H, n]
-        merged = (tmp_out[s, :, :n].float() * w[:, :, None]).sum(dim=1)
-        out[s] = (merged / (w.sum(dim=-1, keepdim=True) + SOFTMAX_EPS)).to(out.dtype)
+        merged, _ = merge_partials(tmp_out[s, :, :n].float(), max_logits[s, :, :n], exp_sums[s, :, :n],
+                                   eps=SOFTMAX_EPS)
+        out[s] = merged.to(out.dtype)

@@ -41,8 +41,16 @@ from paged_attention.utils import cdiv, is_int
 
 
 @triton.jit
+def _lse(m, total):
+    """The natural log-sum-exp ``ln 2 * (m + log2 total)`` of scores whose base-2 maximum is ``m``
+    and whose sum of ``2^(score - m)`` is ``total``; ``-inf`` where there were none (0)."""
+    return tl.where(total > 0, (m + tl.log2(tl.where(total > 0, total, 1.0))) * 0.6931471805599453,
+                    float("-inf"))
+
+
+@triton.jit
 def _paged_decode_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
     qk_scale,                                   # scale * log2(e)
     tokens_per_split, num_splits,
@@ -58,7 +66,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,                   # tokens per KV-cache block (page)
     TILE_N: tl.constexpr,                       # tokens per loop step
     SPLIT: tl.constexpr,                        # False: one split, write `out` directly
-    USE_ALIBI: tl.constexpr,
+    USE_ALIBI: tl.constexpr, STORE_LSE: tl.constexpr,   # STORE_LSE: each head's log-sum-exp to lse_ptr
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
 ):
@@ -114,9 +122,13 @@ def _paged_decode_kernel(
 
     o_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
-        out = acc / l_i[:, None]
+        # An empty sequence (l = 0: only unchecked calls may pass a length of 0) gets a zero
+        # output and lse = -inf, as an empty split does below: weight zero in any later merge.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq * o_stride_s + head[:, None] * o_stride_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
+        if STORE_LSE:                                     # ln(sum of e^score) = ln2 * (m + log2 l)
+            tl.store(lse_ptr + seq * num_heads + head, _lse(m_i, l_i), mask=g_mask)
     else:
         # Partial result of this split: normalised output, max and sum, in float32 buffers of
         # shape [num_seqs, num_heads, num_splits(, HEAD_SIZE)]. An empty split (start >= end)
@@ -130,27 +142,54 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     o_stride_s, o_stride_h, num_splits,
-    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    po_stride_p, po_stride_s, po_stride_h,      # partial outputs: per part, sequence, head
+    pm_stride_p, pm_stride_s, pm_stride_h,      # their maxima (and sums, laid out alike)
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+    LSE_PARTS: tl.constexpr,                    # parts given by natural-log lse (sum 1), not (m, l)
 ):
-    # One program per (sequence, query head): merge its num_splits partial results.
+    # One program per (sequence, query head): merge its num_splits partial results. The parts
+    # are a decode's splits (base-2 maxima and sums) or, with LSE_PARTS, attention over disjoint
+    # shares of a context given by their log-sum-exps (decode context parallelism's ranks).
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    base = (seq * tl.num_programs(1) + head) * num_splits
     i = tl.arange(0, BLOCK_S)
     i_mask = i < num_splits
-    m = tl.load(part_m_ptr + base + i, mask=i_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + base + i, mask=i_mask, other=0.0)
+    pm = seq * pm_stride_s + head * pm_stride_h + i * pm_stride_p
+    m = tl.load(part_m_ptr + pm, mask=i_mask, other=float("-inf"))
+    if LSE_PARTS:
+        m = m * 1.4426950408889634                # ln -> log2; an empty part (-inf) has no mass
+        sums = tl.where(m > float("-inf"), 1.0, 0.0)
+    else:
+        sums = tl.load(part_l_ptr + pm, mask=i_mask, other=0.0)
     m_max = tl.max(m, axis=0)
-    w = l * tl.exp2(m - m_max)                 # each split's softmax mass, on a common scale
-    w = tl.where(i_mask & (l > 0), w, 0.0)     # empty splits weigh nothing (and avoid -inf - -inf)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)   # all parts empty: no -inf - -inf
+    w = sums * tl.exp2(m - m_ref)              # each split's softmax mass, on a common scale
+    w = tl.where(i_mask & (sums > 0), w, 0.0)  # empty splits weigh nothing
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_SIZE
-    o = tl.load(part_out_ptr + (base + i)[:, None] * HEAD_SIZE + d[None, :],
-                mask=i_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    po = seq * po_stride_s + head * po_stride_h + i * po_stride_p
+    o = tl.load(part_out_ptr + po[:, None] + d[None, :], mask=i_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    # All parts empty (a sequence of length 0): a zero output and lse = -inf, not 0 / 0.
+    out = tl.sum(o.to(tl.float32) * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * o_stride_s + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if STORE_LSE:
+        tl.store(lse_ptr + seq * tl.num_programs(1) + head, _lse(m_max, total))
+
+
+def check_lse(lse: torch.Tensor | None, query: torch.Tensor, query_name: str = "query") -> None:
+    """An ``lse`` output is None or a contiguous float32 ``[num_seqs, num_heads]`` tensor on the
+    query's device (the kernels index it as one flat row per sequence)."""
+    if lse is None:
+        return
+    args.tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
+    args.shape("lse", lse, query.shape[:2])
+    args.same_device(**{query_name: query, "lse": lse})
+    if not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous (the kernels write it as one flat row per sequence), "
+                         f"got strides {list(lse.stride())}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,7 +254,7 @@ class DecodePlan:
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  alibi_slopes: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                  max_seq_len: int | None = None, num_splits: int | None = None, check_ids: bool = True,
-                 launch: tuple[int, int, int] | None = None) -> None:
+                 launch: tuple[int, int, int] | None = None, lse: torch.Tensor | None = None) -> None:
         out = torch.empty_like(query) if out is None and isinstance(query, torch.Tensor) else out
         max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                                    alibi_slopes, check_ids=check_ids, scale=scale, out=out,
@@ -223,6 +262,7 @@ class DecodePlan:
         check_triton_dtype(query)
         args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
         num_seqs, num_heads, head_size = query.shape
+        check_lse(lse, query)
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if num_seqs else 1
@@ -234,7 +274,7 @@ class DecodePlan:
         self.num_splits = num_splits = cdiv(max(max_seq_len, 1), tokens_per_split)
         self.max_seq_len = max_seq_len
         self.signature = tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables,
-                                                      seq_lens, alibi_slopes)))
+                                                      seq_lens, alibi_slopes, lse)))
         self.num_seqs = num_seqs
         if num_seqs == 0:
             return
@@ -249,8 +289,8 @@ class DecodePlan:
         # The strides are part of the plan (run checks them), so they are fixed arguments.
         self._decode = Launcher(
             _paged_decode_kernel,
-            ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr",
-             "block_tables_ptr", "seq_lens_ptr", "alibi_ptr"),
+            ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr", "q_ptr", "k_cache_ptr",
+             "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "alibi_ptr"),
             qk_scale=float(scale) * LOG2E, tokens_per_split=tokens_per_split, num_splits=num_splits,
             q_stride_s=query.stride(0), q_stride_h=query.stride(1),
             k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
@@ -262,27 +302,34 @@ class DecodePlan:
             QUERIES_PER_KV=num_heads // num_kv_heads,
             BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
             HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_SIZE=block_size, TILE_N=tile_n,
-            SPLIT=num_splits > 1, USE_ALIBI=use_alibi,
+            SPLIT=num_splits > 1, STORE_LSE=lse is not None, USE_ALIBI=use_alibi,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
             num_warps=num_warps, num_stages=num_stages)
         if num_splits > 1:
             self._merge_grid = (num_seqs, num_heads)
+            # The split buffers: [num_seqs, num_heads, num_splits(, head_size)], contiguous.
             self._merge = Launcher(
-                _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr"),
+                _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr"),
                 o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_splits,
-                HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_S=triton.next_power_of_2(num_splits))
+                po_stride_p=head_size, po_stride_s=num_heads * num_splits * head_size,
+                po_stride_h=num_splits * head_size,
+                pm_stride_p=1, pm_stride_s=num_heads * num_splits, pm_stride_h=num_splits,
+                HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_S=triton.next_power_of_2(num_splits),
+                STORE_LSE=lse is not None, LSE_PARTS=False)
 
     def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None) -> None:
-        """Decode attention into ``out``; the tensors must match the plan (``ValueError`` if not).
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> None:
+        """Decode attention into ``out`` (and log-sum-exps into ``lse`` if the plan was made with one);
+        the tensors must match the plan (``ValueError`` if not).
         The ids are not checked again: ``seq_lens`` must stay within the planned ``max_seq_len``
         and the tables within the cache, as they were when planned."""
-        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
-        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature, optional=("alibi_slopes",))
+        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
+        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature, optional=("alibi_slopes", "lse"))
         self._launch(*tensors)
 
-    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes) -> None:
+    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse=None) -> None:
         if self.num_seqs == 0:
             return
         if self.num_splits > 1:
@@ -291,10 +338,11 @@ class DecodePlan:
             parts = out, out, out                # unused without splits
         # Pinned launches: the plan's checks (signatures: dtype and alignment included) make every
         # call specialise as the first did.
-        self._decode.pinned(self._grid, out, *parts, query, key_cache, value_cache, block_tables, seq_lens,
+        lse = out if lse is None else lse        # unused without STORE_LSE
+        self._decode.pinned(self._grid, out, *parts, lse, query, key_cache, value_cache, block_tables, seq_lens,
                             query if alibi_slopes is None else alibi_slopes)
         if self.num_splits > 1:
-            self._merge.pinned(self._merge_grid, out, *parts)
+            self._merge.pinned(self._merge_grid, out, *parts, lse)
 
 
 def check_launch(launch: object) -> tuple[int, int, int]:
@@ -313,7 +361,7 @@ def check_launch(launch: object) -> tuple[int, int, int]:
     return tile_n, num_warps, num_stages
 
 
-_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
+_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes", "lse")
 # Plans made by unchecked calls (check_ids=False), by everything the checks depend on: a call
 # with the same shapes, strides, dtypes and options is checked once. Bounded, oldest dropped.
 _PLANS: dict[tuple, DecodePlan] = {}
@@ -334,6 +382,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     check_ids: bool = True,
     launch: tuple[int, int, int] | None = None,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -351,7 +400,14 @@ def paged_attention_decode(
     the index checks, which copy the tables to the host: only for tables known good; the caller
     then promises that ``max_seq_len`` is an upper bound (with ``check_ids=True`` a smaller one
     is refused). ``launch`` overrides ``(TILE_N, num_warps, num_stages)`` (default:
-    ``choose_launch``), for tuning.
+    ``choose_launch``), for tuning. ``lse``, a contiguous float32 ``[num_seqs, num_heads]``
+    tensor, also receives each head's log-sum-exp ``ln(sum_j exp(scale * q . k_j))`` (``check_lse``):
+    what a caller needs to merge this result with attention over other tokens of the same
+    sequence (``reference.merge_partials``; decode context parallelism merges its ranks' so). The
+    kernel keeps ``m`` (base 2) and ``l``; the log-sum-exp is ``ln 2 * (m + log2 l)``, and with
+    splits ``ln 2 * (M + log2 sum_i w_i)`` (the split merge writes it). An unchecked call may pass
+    a length of 0: that sequence reads nothing and gets a zero output and an ``lse`` of ``-inf``,
+    a part that weighs nothing in a merge (a DCP rank holding none of a short sequence's tokens).
 
     The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
     combination of shapes, strides, dtypes and options, and later calls reuse that
@@ -360,13 +416,79 @@ def paged_attention_decode(
     """
     if args.flag("check_ids", check_ids) or max_seq_len is None:
         DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
-                   max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids,
-                   launch=launch)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+                   max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids, launch=launch,
+                   lse=lse)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
         return
     plan = cached_plan(
         _PLANS, _MAX_PLANS,
         lambda: (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              alibi_slopes))), scale, max_seq_len, num_splits, launch),
+                                              alibi_slopes, lse))), scale, max_seq_len, num_splits, launch),
         lambda: DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
-                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch))
-    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch, lse=lse))
+    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
+
+
+# ---- Merging attention over disjoint parts of a context, given by their log-sum-exps ----------
+
+class MergePlan:
+    """Attention over a whole context from attention over its disjoint parts, on the device: the
+    split merge kernel above, fed parts given by their log-sum-exps, in float32
+    (``reference.merge_partials`` with ``exp_sums`` left out is its oracle). Decode context
+    parallelism merges its ranks' partials so. Checked and prepared once, then run many times,
+    like ``DecodePlan``.
+
+    ``outputs``: ``[num_parts, num_seqs, num_heads, head_size]``, part ``p``'s attention normalised
+    over its own tokens (any float dtype); ``lses``: float32 ``[num_parts, num_seqs, num_heads]``,
+    ``-inf`` for a part that has no tokens (it weighs nothing). ``out``: ``[num_seqs, num_heads,
+    head_size]``, any float dtype; ``lse``, optional: the whole context's log-sum-exps, a
+    contiguous float32 ``[num_seqs, num_heads]``. Every input may be a strided view (the strides
+    go to the kernel) whose head dimension is contiguous. A sequence whose parts are all empty
+    gets a zero output and ``-inf``.
+    """
+
+    def __init__(self, out: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor,
+                 lse: torch.Tensor | None = None) -> None:
+        args.tensor("outputs", outputs, ndim=4, dtypes=args.FLOAT_DTYPES)
+        args.tensor("lses", lses, ndim=3, dtypes=(torch.float32,))
+        args.tensor("out", out, ndim=3, dtypes=args.FLOAT_DTYPES)
+        num_parts, num_seqs, num_heads, head_size = outputs.shape
+        if num_parts < 1:
+            raise ValueError("outputs must hold at least one part (dimension 0), got none")
+        args.shape("lses", lses, outputs.shape[:3])
+        args.shape("out", out, outputs.shape[1:])
+        args.same_device(out=out, outputs=outputs, lses=lses)
+        args.unit_last_stride(out=out, outputs=outputs)
+        args.no_broadcast_dims("out", out)
+        check_lse(lse, out, "out")
+        self.signature = tuple(map(tensor_signature, (out, outputs, lses, lse)))
+        self._grid = (num_seqs, num_heads)
+        self._merge = Launcher(
+            _merge_splits_kernel, ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr"),
+            o_stride_s=out.stride(0), o_stride_h=out.stride(1), num_splits=num_parts,
+            po_stride_p=outputs.stride(0), po_stride_s=outputs.stride(1), po_stride_h=outputs.stride(2),
+            pm_stride_p=lses.stride(0), pm_stride_s=lses.stride(1), pm_stride_h=lses.stride(2),
+            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size),
+            BLOCK_S=max(2, triton.next_power_of_2(num_parts)), STORE_LSE=lse is not None, LSE_PARTS=True)
+
+    def run(self, out: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor,
+            lse: torch.Tensor | None = None) -> None:
+        """Merge into ``out`` (and ``lse`` if the plan was made with one); the tensors must match
+        the plan (``ValueError`` if not)."""
+        tensors = (out, outputs, lses, lse)
+        check_planned("MergePlan", ("out", "outputs", "lses", "lse"), tensors, self.signature,
+                      optional=("lse",))
+        self._launch(*tensors)
+
+    def _launch(self, out, outputs, lses, lse=None) -> None:
+        if self._grid[0] == 0:
+            return
+        # the sums (part_l_ptr) are not read with LSE_PARTS; lse_ptr only with STORE_LSE
+        self._merge.pinned(self._grid, out, outputs, lses, lses, out if lse is None else lse)
+
+
+def merge_partials(out: torch.Tensor, outputs: torch.Tensor, lses: torch.Tensor,
+                   lse: torch.Tensor | None = None) -> None:
+    """Merge attention over disjoint parts (along dim 0 of ``outputs`` and ``lses``) into ``out``,
+    and the whole context's log-sum-exps into ``lse`` if given: see ``MergePlan``."""
+    MergePlan(out, outputs, lses, lse)._launch(out, outputs, lses, lse)
+
