@@ -1,0 +1,1 @@
+"""vLLM's V1 KV-cache core, mirrored."""
