@@ -97,7 +97,8 @@ class Scheduler:
         include_finished_set: bool = False,
     ) -> None:
         self.max_num_running_reqs = check_int("max_num_seqs", max_num_seqs, 1)
-        self.max_num_scheduled_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        self.max_num_scheduled_tokens = check_int(
+            "max_num_batched_tokens", max_num_batched_tokens, 1)
         self.max_model_len = check_int("max_model_len", max_model_len, 2)
         self.long_prefill_token_threshold = check_int(
             "long_prefill_token_threshold", long_prefill_token_threshold, 0)
@@ -121,7 +122,8 @@ class Scheduler:
         try:
             self.policy = SchedulingPolicy(policy)
         except ValueError:
-            raise ValueError(f"unknown scheduling policy {policy!r}: 'fcfs' or 'priority'") from None
+            raise ValueError(
+                f"unknown scheduling policy {policy!r}: 'fcfs' or 'priority'") from None
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)):
             raise TypeError(f"watermark must be a float, got {watermark!r}")
         if not 0.0 <= watermark < 1.0:
@@ -160,7 +162,7 @@ class Scheduler:
         # Requests scheduled in the previous step: the worker's copy of their tokens is current.
         self.prev_step_scheduled_req_ids: set[str] = set()
 
-    # ---- Requests in and out ---------------------------------------------------------------------
+    # ---- Requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a new request (it waits until ``schedule`` admits it).
 
@@ -190,7 +192,8 @@ class Scheduler:
         ignored; the requests actually finished are returned."""
         if not isinstance(finished_status, RequestStatus) or not finished_status.is_finished(
                 finished_status):
-            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+            raise ValueError(
+                f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         elif request_ids is None:
@@ -226,7 +229,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[req_id]
 
-    # ---- One step ----------------------------------------------------------------------------------
+    # ---- One step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide this step: the running requests first, then (if nobody was preempted) the
         waiting ones, within one token budget. See the module's description."""
@@ -292,7 +295,8 @@ class Scheduler:
                     break               # it preempted itself: nothing left to free
 
             if new_blocks is None:
-                if self.policy == SchedulingPolicy.PRIORITY and request.status == RequestStatus.PREEMPTED:
+                if (self.policy == SchedulingPolicy.PRIORITY
+                        and request.status == RequestStatus.PREEMPTED):
                     # It was the lowest priority and is gone; req_index already names the next.
                     continue
                 break
@@ -443,7 +447,7 @@ class Scheduler:
                                  num_computed_tokens=num_computed_tokens,
                                  num_output_tokens=num_output_tokens)
 
-    # ---- The model's answer --------------------------------------------------------------------
+    # ---- The model's answer ---------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         """Take the tokens sampled in a step: append them, stop the requests that are done and
@@ -531,7 +535,7 @@ class Scheduler:
             request.num_output_placeholders -= num_new_tokens
         return new_token_ids, stopped
 
-    # ---- Questions and upkeep ---------------------------------------------------------------------
+    # ---- Questions and upkeep --------------------------------------------------------------
     def get_request_counts(self) -> tuple[int, int]:
         """``(running, waiting)``."""
         return len(self.running), len(self.waiting)
