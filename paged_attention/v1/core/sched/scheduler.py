@@ -51,6 +51,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from paged_attention.utils import check_int
@@ -64,6 +65,35 @@ from paged_attention.v1.core.sched.request_queue import SchedulingPolicy, create
 from paged_attention.v1.core.sched.utils import check_stop, remove_all
 
 __all__ = ["Scheduler"]
+
+
+def _priority_order(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+@dataclass
+class StepPlan:
+    """What one ``schedule()`` call has decided so far: the budget left, who runs (how many
+    tokens, which new blocks) and who was preempted."""
+
+    token_budget: int
+    long_prefill_threshold: int
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+
+    def schedule(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.req_to_new_blocks[request.request_id] = new_blocks
+        self.token_budget -= num_new_tokens
+
+    def unschedule(self, request: Request) -> None:
+        self.running_reqs.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        del self.req_to_new_blocks[request.request_id]
 
 
 class Scheduler:
@@ -233,24 +263,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step: the running requests first, then (if nobody was preempted) the
         waiting ones, within one token budget. See the module's description."""
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
-        scheduled_running_reqs: list[Request] = []
-        preempted_reqs: list[Request] = []
-        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
-        num_scheduled_tokens: dict[str, int] = {}
-        token_budget = self.max_num_scheduled_tokens
-        manager = self.kv_cache_manager
-        manager.new_step_starts()
-
+        self.kv_cache_manager.new_step_starts()
         # The cap on a long prefill keeps it from starving the others; alone, it may take all.
         num_running, num_waiting = self.get_request_counts()
-        threshold = self.long_prefill_token_threshold if num_running + num_waiting > 1 else 0
+        step = StepPlan(self.max_num_scheduled_tokens,
+                        self.long_prefill_token_threshold if num_running + num_waiting > 1 else 0)
+        self._schedule_running(step)
+        if not step.preempted_reqs:
+            # Memory was short enough to preempt: admitting anyone now would only thrash.
+            self._schedule_waiting(step)
+        return self._make_scheduler_output(step)
 
-        # 1. The running requests, in order.
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Give each running request, in order, the tokens it is behind by, preempting from the
+        back of the list when blocks run out."""
+        manager = self.kv_cache_manager
+        running = self.running
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and step.token_budget > 0:
+            request = running[req_index]
             if (request.num_output_placeholders > 0
                     and request.num_computed_tokens + 2 - request.num_output_placeholders
                     >= request.num_prompt_tokens + request.max_tokens):
@@ -260,9 +291,9 @@ class Scheduler:
 
             num_new_tokens = (request.num_tokens + request.num_output_placeholders
                               - request.num_computed_tokens)
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget,
+            if 0 < step.long_prefill_threshold < num_new_tokens:
+                num_new_tokens = step.long_prefill_threshold
+            num_new_tokens = min(num_new_tokens, step.token_budget,
                                  # Leave room in the context for the token this step samples.
                                  self.max_model_len - request.num_computed_tokens - 1)
             if num_new_tokens <= 0:
@@ -275,107 +306,110 @@ class Scheduler:
                 new_blocks = manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                # Out of blocks: preempt the lowest-priority request (under FCFS the last one).
-                if self.policy == SchedulingPolicy.PRIORITY:
-                    preempted_req = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-                    victim_index = self.running.index(preempted_req)
-                    del self.running[victim_index]
-                    if victim_index < req_index:
-                        req_index -= 1
-                    if preempted_req in scheduled_running_reqs:
-                        # Already given tokens this step: take them back.
-                        scheduled_running_reqs.remove(preempted_req)
-                        token_budget += num_scheduled_tokens.pop(preempted_req.request_id)
-                        del req_to_new_blocks[preempted_req.request_id]
-                else:
-                    preempted_req = self.running.pop()
-                self._preempt_request(preempted_req)
-                preempted_reqs.append(preempted_req)
-                if preempted_req is request:
+                # Out of blocks: preempt someone, and try again with what that freed.
+                victim = self._preemption_victim()
+                victim_index = (len(running) - 1 if victim is running[-1]
+                                else running.index(victim))
+                del running[victim_index]
+                if victim_index < req_index:
+                    req_index -= 1
+                    if victim.request_id in step.num_scheduled_tokens:
+                        step.unschedule(victim)     # given tokens this step: take them back
+                self._preempt_request(victim)
+                step.preempted_reqs.append(victim)
+                if victim is request:
                     break               # it preempted itself: nothing left to free
 
             if new_blocks is None:
                 if (self.policy == SchedulingPolicy.PRIORITY
                         and request.status == RequestStatus.PREEMPTED):
-                    # It was the lowest priority and is gone; req_index already names the next.
+                    # It was the lowest priority and is gone; req_index already names the next,
+                    # which may fit in what it freed.
                     continue
                 break
 
-            scheduled_running_reqs.append(request)
-            req_to_new_blocks[request.request_id] = new_blocks
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
+            step.running_reqs.append(request)
+            step.schedule(request, num_new_tokens, new_blocks)
             req_index += 1
 
-        # 2. The waiting requests, in order, unless memory was short enough to preempt.
-        if not preempted_reqs:
-            skipped: deque[Request] = deque()
-            while token_budget > 0 and self.waiting:
-                if len(self.running) >= self.max_num_running_reqs:
-                    break
-                request = self.waiting.peek_request()
-                if request.num_stale_output_tokens and not request.drop_stale_output:
-                    # Async scheduling: output of its preempted run is still in flight and would
-                    # land on positions a new run resamples. Wait for it, out of the others' way.
-                    skipped.appendleft(self.waiting.pop_request())
-                    continue
+    def _preemption_victim(self) -> Request:
+        """Whom to preempt when blocks run out. First come, first served: the last running
+        request (the latest admitted). Priority: the largest ``(priority, arrival_time)``,
+        the first such in the running list on a tie."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=_priority_order)
+        return self.running[-1]
 
-                # The longest cached prefix needs no computing (never the whole prompt: the
-                # last token must run to give logits).
-                new_computed_blocks, num_computed_tokens, request.shared_prefix_boundary = (
-                    manager.get_computed_blocks(request))
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
+    def _schedule_waiting(self, step: StepPlan) -> None:
+        """Admit waiting requests in order while the budget and ``max_num_seqs`` allow, each
+        with its longest cached prefix; the first one that does not fit stops admission."""
+        manager = self.kv_cache_manager
+        skipped: deque[Request] = deque()
+        while step.token_budget > 0 and self.waiting:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+            if request.num_stale_output_tokens and not request.drop_stale_output:
+                # Async scheduling: output of its preempted run is still in flight and would
+                # land on positions a new run resamples. Wait for it, out of the others' way.
+                skipped.appendleft(self.waiting.pop_request())
+                continue
 
-                new_blocks = manager.allocate_slots(
-                    request, num_new_tokens,
-                    num_new_computed_tokens=num_computed_tokens,
-                    new_computed_blocks=new_computed_blocks,
-                    full_sequence_must_fit=self.scheduler_reserve_full_isl,
-                    has_scheduled_reqs=bool(self.running),
-                )
-                if new_blocks is None:
-                    break               # does not fit: it and everyone behind it wait
+            # The longest cached prefix needs no computing (never the whole prompt: the last
+            # token must run to give logits).
+            new_computed_blocks, num_computed_tokens, request.shared_prefix_boundary = (
+                manager.get_computed_blocks(request))
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if 0 < step.long_prefill_threshold < num_new_tokens:
+                num_new_tokens = step.long_prefill_threshold
+            if not self.enable_chunked_prefill and num_new_tokens > step.token_budget:
+                break
+            num_new_tokens = min(num_new_tokens, step.token_budget)
 
-                self.waiting.pop_request()
-                self.running.append(request)
-                if request.status == RequestStatus.WAITING:
-                    scheduled_new_reqs.append(request)
-                else:
-                    scheduled_resumed_reqs.append(request)
-                # A new request's worker entry lists all its blocks, cache hits included.
-                req_to_new_blocks[request.request_id] = manager.get_blocks(request.request_id)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed_tokens
-            if skipped:
-                self.waiting.prepend_requests(skipped)
+            new_blocks = manager.allocate_slots(
+                request, num_new_tokens,
+                num_new_computed_tokens=num_computed_tokens,
+                new_computed_blocks=new_computed_blocks,
+                full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if new_blocks is None:
+                break                   # does not fit: it and everyone behind it wait
 
-        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
-        if total_num_scheduled_tokens > self.max_num_scheduled_tokens:
-            raise RuntimeError("scheduled more tokens than the budget (a scheduler bug)")
+            self.waiting.pop_request()
+            self.running.append(request)
+            if request.status == RequestStatus.WAITING:
+                step.new_reqs.append(request)
+            else:
+                step.resumed_reqs.append(request)
+            # A new request's worker entry lists all its blocks, cache hits included.
+            step.schedule(request, num_new_tokens, manager.get_blocks(request.request_id))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+
+    def _make_scheduler_output(self, step: StepPlan) -> SchedulerOutput:
+        num_scheduled_tokens = step.num_scheduled_tokens
+        req_to_new_blocks = step.req_to_new_blocks
+        total_num_scheduled_tokens = self.max_num_scheduled_tokens - step.token_budget
         if len(self.running) > self.max_num_running_reqs:
             raise RuntimeError("more running requests than max_num_seqs (a scheduler bug)")
 
+        new_reqs, resumed_reqs = step.new_reqs, step.resumed_reqs
         if self.use_v2_model_runner:
             # V2's runner takes a resumed request as a new one, with all its tokens to prefill.
-            scheduled_new_reqs.extend(scheduled_resumed_reqs)
-            scheduled_resumed_reqs = []
+            new_reqs, resumed_reqs = new_reqs + resumed_reqs, []
             new_reqs_data = [
                 NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids(),
                                             list(req.all_token_ids))
-                for req in scheduled_new_reqs]
+                for req in new_reqs]
         else:
             new_reqs_data = [
                 NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
-                for req in scheduled_new_reqs]
+                for req in new_reqs]
         cached_reqs_data = self._make_cached_request_data(
-            scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks)
+            step.running_reqs, resumed_reqs, req_to_new_blocks)
         if not self.use_v2_model_runner:
             self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
 

@@ -16,14 +16,15 @@ def check_stop(request: "Request", max_model_len: int) -> bool:
     In this order: the end-of-sequence token (``FINISHED_STOPPED``), one of its stop tokens
     (``FINISHED_STOPPED``, with the token as ``stop_reason``), then its length: ``max_tokens``
     generated or the model's context full (``FINISHED_LENGTH_CAPPED``). The stopping token
-    stays in the output.
+    stays in the output. The end and stop tokens are the sampling parameters'
+    ``eos_token_id`` and ``stop_token_ids``, where they have them (None: no such token).
     """
     params = request.sampling_params
     last_token_id = request.output_token_ids[-1]
-    if last_token_id == params.eos_token_id:
+    if last_token_id == getattr(params, "eos_token_id", None):
         request.status = RequestStatus.FINISHED_STOPPED
         return True
-    if last_token_id in (params.stop_token_ids or ()):
+    if last_token_id in (getattr(params, "stop_token_ids", None) or ()):
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last_token_id
         return True
