@@ -56,6 +56,9 @@ CORE_FOLDERS = ("vllm/v1/core/", "vllm/utils/", "vllm/v1/metrics/", "vllm/distri
 _TRIAL_IMPORT = """
 import sys
 from paged_attention.v1.core import oracle
+# Both ways a process loads it: managers only, then the scheduler on top (which imports vLLM's
+# core again, with its configs for real).
+oracle.smoke_test(oracle.load())
 o = oracle.load(scheduler=True)
 oracle.smoke_test(o)
 for name in o.modules:
