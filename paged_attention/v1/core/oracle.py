@@ -338,4 +338,11 @@ def smoke_test(o: types.SimpleNamespace) -> list[list[int]]:
         manager.free(o.Request(str(i), list(range(13)), o.SamplingParams(max_tokens=3), None,
                                block_hasher=hasher))
     manager.make_prefix_cache_stats()
+    if hasattr(o, "Scheduler"):
+        # vLLM's Scheduler builds its configs, which import more of vLLM: run it too, so that
+        # fetch-core keeps those modules.
+        from paged_attention.v1.core.sched.oracle_config import smoke_test as scheduler_smoke_test
+        scheduler_smoke_test(o)
+    # What vLLM imported while running, too (fetch-core keeps the files listed here).
+    o.modules = sorted(n for n in sys.modules if n == "vllm" or n.startswith("vllm."))
     return ids[1]

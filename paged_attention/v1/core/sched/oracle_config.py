@@ -15,6 +15,7 @@ module for how each maps to vLLM's configs); ``o`` is ``oracle.load(scheduler=Tr
 """
 from __future__ import annotations
 
+import math
 import os
 import types
 from typing import Any, Optional
@@ -66,14 +67,18 @@ def vllm_scheduler(
     watermark: float = 0.0,
     use_v2_model_runner: bool = False,
     include_finished_set: bool = False,
+    hash_block_size: Optional[int] = None,
     async_scheduling: bool = False,
 ) -> Any:
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``) configured as ours
     would be with the same arguments."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
     if block_size is None:
-        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        block_size = math.lcm(*sizes)
+    if hash_block_size is None:
+        hash_block_size = math.gcd(*sizes)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, is_encoder_decoder=False,
@@ -90,9 +95,13 @@ def vllm_scheduler(
     try:
         vllm_config = VllmConfig(scheduler_config=scheduler_config, cache_config=cache_config)
         vllm_config.model_config = ModelConfigStandIn(max_model_len)
+        # vLLM's CPU platform turns async scheduling off while the config is built; the
+        # schedulers mirrored here are GPU ones (it decides how many tokens may be in flight).
+        vllm_config.scheduler_config.async_scheduling = async_scheduling
         cls = o.AsyncScheduler if async_scheduling else o.Scheduler
         scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                         structured_output_manager=AcceptEveryToken(), block_size=block_size,
+                        hash_block_size=hash_block_size,
                         include_finished_set=include_finished_set, log_stats=False)
     finally:
         if saved is None:
@@ -100,12 +109,13 @@ def vllm_scheduler(
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
     # VllmConfig may adjust what it is given; a side-by-side run must compare like with like.
-    got = (scheduler.max_num_running_reqs, scheduler.max_num_scheduled_tokens,
+    got = (scheduler.vllm_config.max_concurrent_batches,
+           scheduler.max_num_running_reqs, scheduler.max_num_scheduled_tokens,
            scheduler.max_model_len, scheduler.block_size, scheduler.use_v2_model_runner,
            scheduler.scheduler_config.long_prefill_token_threshold,
            scheduler.scheduler_config.enable_chunked_prefill,
            scheduler.cache_config.enable_prefix_caching)
-    want = (max_num_seqs, max_num_batched_tokens, max_model_len, block_size, use_v2_model_runner,
+    want = (2 if async_scheduling else 1, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, use_v2_model_runner,
             long_prefill_token_threshold, enable_chunked_prefill, enable_caching)
     if got != want:
         raise RuntimeError(f"vLLM's configs changed the settings: got {got}, asked for {want}")
@@ -123,3 +133,21 @@ def vllm_request(o: types.SimpleNamespace, request_id: str, prompt_token_ids: li
         params.update_from_generation_config({}, eos_token_id)
     return o.Request(request_id, list(prompt_token_ids), params, None, block_hasher=block_hasher,
                      priority=priority, arrival_time=arrival_time, client_index=client_index)
+
+
+def smoke_test(o: types.SimpleNamespace) -> int:
+    """Drive vLLM's ``Scheduler`` and ``AsyncScheduler`` through a short workload that admits,
+    chunks, hits the prefix cache, preempts, finishes, aborts and resets, with either model
+    runner. Returns the number of engine steps. ``fetch-core`` runs it (through the oracle's
+    smoke test) so that the modules vLLM imports while building its configs are kept."""
+    from paged_attention.v1.core.sched.differential import SchedulerWorkload, replay, vllm_side
+
+    steps = 0
+    for async_scheduling in (False, True):
+        workload = SchedulerWorkload(
+            "smoke", seed=1, groups=[("full", 4), ("window", 4, 8)], num_blocks=40,
+            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, steps=60,
+            p_abort=0.1, p_reset=0.05, async_scheduling=async_scheduling,
+            use_v2_model_runner=async_scheduling)
+        steps += replay(workload, [vllm_side(o, workload)]).engine_steps
+    return steps

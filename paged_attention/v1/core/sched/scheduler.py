@@ -26,21 +26,14 @@ their blocks.
 
 Configuration. vLLM reads these from its config objects; here they are plain arguments:
 
-==============================  ==============================================================
-here                            vLLM
-==============================  ==============================================================
-``max_num_seqs``                ``SchedulerConfig.max_num_seqs`` (128)
-``max_num_batched_tokens``      ``SchedulerConfig.max_num_batched_tokens`` (2048)
-``max_model_len``               ``ModelConfig.max_model_len`` (the model's context length)
-``block_size``                  ``CacheConfig.block_size`` (16; the ``block_size`` argument)
-``enable_caching``              ``CacheConfig.enable_prefix_caching`` (True)
-``long_prefill_token_threshold``  ``SchedulerConfig.long_prefill_token_threshold`` (0: none)
-``enable_chunked_prefill``      ``SchedulerConfig.enable_chunked_prefill`` (True)
-``policy``                      ``SchedulerConfig.policy`` ("fcfs" or "priority")
-``scheduler_reserve_full_isl``  ``SchedulerConfig.scheduler_reserve_full_isl`` (True)
-``watermark``                   ``SchedulerConfig.watermark`` (0.0)
-``use_v2_model_runner``         ``VllmConfig.use_v2_model_runner`` (how resumed requests are sent)
-==============================  ==============================================================
+- ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_token_threshold``,
+  ``enable_chunked_prefill``, ``policy``, ``scheduler_reserve_full_isl``, ``watermark``: the
+  ``SchedulerConfig`` fields of the same names (defaults 128, 2048, 0, True, "fcfs", True, 0.0);
+- ``max_model_len``: ``ModelConfig.max_model_len`` (the model's context length);
+- ``enable_caching``: ``CacheConfig.enable_prefix_caching`` (True);
+- ``block_size``, ``hash_block_size``, ``include_finished_set``: the arguments of the same names
+  of vLLM's ``Scheduler`` (its engine passes ``CacheConfig.block_size``, 16, for one group);
+- ``use_v2_model_runner``: ``VllmConfig.use_v2_model_runner`` (how resumed requests are sent).
 
 What vLLM's scheduler also does and this one leaves out: speculative decoding, KV connectors
 (disaggregated prefill, offloading), encoder inputs (multimodal), structured output, LoRA,
@@ -55,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from paged_attention.utils import check_int
+from paged_attention.v1.core.kv_cache_coordinator import default_block_sizes
 from paged_attention.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from paged_attention.v1.core.request import Request, RequestStatus
 from paged_attention.v1.core.sched.messages import (
@@ -102,8 +96,11 @@ class Scheduler:
     ``Scheduler(kv_cache_config, max_num_seqs=128, max_num_batched_tokens=2048,
     max_model_len=8192, block_size=None, enable_caching=True, long_prefill_token_threshold=0,
     enable_chunked_prefill=True, policy="fcfs", scheduler_reserve_full_isl=True, watermark=0.0,
-    use_v2_model_runner=False, include_finished_set=False)``; ``block_size`` defaults to the
-    first KV-cache group's. It builds its own ``KVCacheManager`` over ``kv_cache_config``.
+    use_v2_model_runner=False, include_finished_set=False, hash_block_size=None)``. It builds
+    its own ``KVCacheManager`` over ``kv_cache_config``. ``block_size`` (the scheduler's block)
+    and ``hash_block_size`` (the granularity of prefix-cache hashes) default as vLLM's engine
+    picks them: one KV-cache group, its block size; several, the least common multiple and the
+    greatest common divisor of theirs.
     """
 
     # Steps that may be in flight at once: one here; two for the AsyncScheduler (the next step
@@ -125,6 +122,7 @@ class Scheduler:
         watermark: float = 0.0,
         use_v2_model_runner: bool = False,
         include_finished_set: bool = False,
+        hash_block_size: Optional[int] = None,
     ) -> None:
         self.max_num_running_reqs = check_int("max_num_seqs", max_num_seqs, 1)
         self.max_num_scheduled_tokens = check_int(
@@ -161,9 +159,12 @@ class Scheduler:
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
         if not groups:
             raise TypeError("kv_cache_config must be a KVCacheConfig with at least one group")
-        if block_size is None:
-            block_size = groups[0].kv_cache_spec.block_size
-        self.block_size = check_int("block_size", block_size, 1)
+        default_block_size, default_hash_block_size = default_block_sizes(kv_cache_config)
+        self.block_size = check_int(
+            "block_size", default_block_size if block_size is None else block_size, 1)
+        self.hash_block_size = check_int(
+            "hash_block_size",
+            default_hash_block_size if hash_block_size is None else hash_block_size, 1)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
         self.use_v2_model_runner = use_v2_model_runner
@@ -175,7 +176,7 @@ class Scheduler:
             max_in_flight_tokens=self.max_concurrent_batches * self.max_num_scheduled_tokens,
             enable_caching=enable_caching,
             scheduler_block_size=self.block_size,
-            hash_block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
             watermark=watermark,
         )
 
