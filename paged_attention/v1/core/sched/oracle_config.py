@@ -115,8 +115,9 @@ def vllm_scheduler(
            scheduler.scheduler_config.long_prefill_token_threshold,
            scheduler.scheduler_config.enable_chunked_prefill,
            scheduler.cache_config.enable_prefix_caching)
-    want = (2 if async_scheduling else 1, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, use_v2_model_runner,
-            long_prefill_token_threshold, enable_chunked_prefill, enable_caching)
+    want = (2 if async_scheduling else 1, max_num_seqs, max_num_batched_tokens, max_model_len,
+            block_size, use_v2_model_runner, long_prefill_token_threshold,
+            enable_chunked_prefill, enable_caching)
     if got != want:
         raise RuntimeError(f"vLLM's configs changed the settings: got {got}, asked for {want}")
     return scheduler
