@@ -389,6 +389,7 @@ def _replay(workload: SchedulerWorkload, sides: list[Side],
                 for _ in range(workload.num_prefixes)]
     stats = ReplayStats()
     seen_hits: set[str] = set()
+    preempted: set[str] = set()
     scheduled: list[list[Any]] = [[] for _ in sides]
     for side, described in zip(sides, scheduled):
         side.loop.on_schedule = lambda out, described=described: described.append(
@@ -437,7 +438,10 @@ def _replay(workload: SchedulerWorkload, sides: list[Side],
             continue
         stats.tokens_scheduled += out["total"]
         stats.preemptions += len(out["preempted"])
-        stats.resumed += len(out["resumed"])
+        preempted.update(out["preempted"])
+        # A resumed request comes back as a cached one (V1 runner) or a new one (V2).
+        stats.resumed += len(out["resumed"]) + sum(
+            1 for n in out["new requests"] if n[0] in preempted)
         stats.finished += len(out["finished"])
         stats.full_budget_steps += out["total"] == workload.max_num_batched_tokens
         stats.full_batch_steps += len(out["tokens scheduled"]) == workload.max_num_seqs
