@@ -94,6 +94,11 @@ class ConstantList(Sequence):
         return f"ConstantList({self._items!r})"
 
 
+def _all_ints(token_ids: Sequence) -> bool:
+    # The common case, plain ints, checked in C (a prompt can have many thousand tokens).
+    return set(map(type, token_ids)) <= {int} or all(is_int(t) for t in token_ids)
+
+
 class Request:
     """One generation request.
 
@@ -120,8 +125,7 @@ class Request:
         if not is_int(max_tokens) or max_tokens < 0:
             raise ValueError("sampling_params with an int max_tokens >= 0 is needed, got "
                              f"{sampling_params!r}")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                is_int(t) for t in prompt_token_ids):
+        if not isinstance(prompt_token_ids, (list, tuple)) or not _all_ints(prompt_token_ids):
             raise TypeError("prompt_token_ids must be a list of ints")
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
@@ -141,7 +145,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.events: list = []
 
-        self.prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.prompt_token_ids = list(map(int, prompt_token_ids))
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -161,6 +165,10 @@ class Request:
         self.skip_reading_prefix_cache = bool(
             getattr(sampling_params, "skip_reading_prefix_cache", False) or False)
 
+        # Read-only views of the two lists (made once: the lists are only ever extended).
+        self._output_view = ConstantList(self._output_token_ids)
+        self._all_view = ConstantList(self._all_token_ids)
+
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()
@@ -168,11 +176,11 @@ class Request:
     # Read-only views: appending goes through append_output_token_ids, which rehashes.
     @property
     def output_token_ids(self) -> ConstantList:
-        return ConstantList(self._output_token_ids)
+        return self._output_view
 
     @property
     def all_token_ids(self) -> ConstantList:
-        return ConstantList(self._all_token_ids)
+        return self._all_view
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +196,12 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Append sampled tokens (one or a list), and hash any block they fill."""
+        if type(token_ids) is int:
+            # One sampled token, the common case: no list to build and check.
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            self.update_block_hashes()
+            return
         new = [token_ids] if is_int(token_ids) else list(token_ids)
         if not all(is_int(t) for t in new):
             raise TypeError(f"token ids must be ints, got {token_ids!r}")
