@@ -18,9 +18,9 @@ Three kinds of line, each the same work on both sides:
 
 Each line runs on both sides in turn, several rounds, alternating which goes first, from fresh
 objects built outside the timed span (requests included, except on the requests line), with
-Python's garbage collector off during the span. The fastest run of each side counts (the
-slower ones were slowed down by something else on the machine), and the ratio is vLLM's time
-over ours: above 1.0, ours is faster. Before timing, both sides' answers are compared (every
+Python's garbage collector off during the span, timed in CPU time (the machines this runs on
+are often shared). The fastest run of each side counts (the slower ones were slowed down by
+something else on the machine), and the ratio is vLLM's time over ours: above 1.0, ours is faster. Before timing, both sides' answers are compared (every
 hit and table of the manager traces; every step's scheduled tokens and finished requests of the
 scheduler workloads): a line whose answers differ is an error, not a figure.
 """
@@ -282,7 +282,9 @@ def side_by_side(prepare: dict[str, Callable[[], Callable[[], Any]]],
                  rounds: int = 5) -> dict[str, float]:
     """Seconds of the fastest run of each ``prepare[name]()()`` (prepare untimed, run timed),
     the sides taking turns and swapping who goes first each round; the garbage collector is
-    off during each timed run."""
+    off during each timed run. The time is the process's CPU time: on a shared machine the
+    wall clock would also count the turns other programs take on the CPU (the work is
+    single-threaded Python, so on an idle machine the two agree)."""
     best = {name: math.inf for name in prepare}
     names = list(prepare)
     for r in range(rounds):
@@ -291,9 +293,9 @@ def side_by_side(prepare: dict[str, Callable[[], Callable[[], Any]]],
             gc.collect()
             gc.disable()
             try:
-                start = time.perf_counter()
+                start = time.process_time()
                 run()
-                elapsed = time.perf_counter() - start
+                elapsed = time.process_time() - start
             finally:
                 gc.enable()
             best[name] = min(best[name], elapsed)
