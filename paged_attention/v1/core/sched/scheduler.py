@@ -467,14 +467,19 @@ class Scheduler:
         num_computed_tokens: list[int] = []
         num_output_tokens: list[int] = []
         num_running = len(running_reqs)
+        # Most steps give most requests no new block: the manager's shared empty answer.
+        no_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+        send_all_tokens = not self.use_v2_model_runner
         for idx, req in enumerate(itertools.chain(running_reqs, resumed_reqs)):
             req_id = req.request_id
             req_ids.append(req_id)
             if idx >= num_running:
                 resumed_req_ids.add(req_id)
-            if not self.use_v2_model_runner and req_id not in self.prev_step_scheduled_req_ids:
+            if send_all_tokens and req_id not in self.prev_step_scheduled_req_ids:
                 all_token_ids[req_id] = list(req.all_token_ids)
-            new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
+            blocks = req_to_new_blocks[req_id]
+            new_block_ids.append(None if blocks is no_blocks
+                                 else blocks.get_block_ids(allow_none=True))
             num_computed_tokens.append(req.num_computed_tokens)
             num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
         return CachedRequestData(req_ids=req_ids, resumed_req_ids=resumed_req_ids,
