@@ -4,7 +4,8 @@
 Three kinds of line, each the same work on both sides:
 
 * **requests**: building a trace's requests (``Request(...)``, which hashes every full block of
-  the prompt with SHA-256, as vLLM's engine does when a request arrives);
+  the prompt with SHA-256, as vLLM's engine does when a request arrives). Ours also checks that
+  every token id is an int, which vLLM leaves to its input processor (not timed here);
 * **manager traces**: what a scheduler asks of a ``KVCacheManager``, replayed from a list of
   operations drawn from a seed. Requests arrive with prompts built from a few shared prefixes
   (``get_computed_blocks`` finds the hit, ``allocate_slots`` the rest), each running request
