@@ -341,7 +341,7 @@ def smoke_test(o: types.SimpleNamespace) -> list[list[int]]:
     if hasattr(o, "Scheduler"):
         # vLLM's Scheduler builds its configs, which import more of vLLM: run it too, so that
         # fetch-core keeps those modules.
-        from paged_attention.v1.core.sched.oracle_config import smoke_test as scheduler_smoke_test
+        from paged_attention.v1.core.sched.differential import smoke_test as scheduler_smoke_test
         scheduler_smoke_test(o)
     # What vLLM imported while running, too (fetch-core keeps the files listed here).
     o.modules = sorted(n for n in sys.modules if n == "vllm" or n.startswith("vllm."))

@@ -12,12 +12,13 @@ import enum
 import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from paged_attention.utils import is_int
 
-if TYPE_CHECKING:
-    from paged_attention.v1.core.kv_cache_utils import BlockHash
+# A block hash is kv_cache_utils.BlockHash, i.e. bytes; named by its type here so that the request
+# does not import the hashing module back (the hashing module reads requests).
+BlockHash = bytes
 
 
 class FinishReason(enum.IntEnum):

@@ -455,3 +455,19 @@ def _replay(workload: SchedulerWorkload, sides: list[Side],
             if request is not None and n > 1 and request.is_prefill_chunk:
                 stats.chunked_prefills += 1
     return stats
+
+
+def smoke_test(o: Any) -> int:
+    """Drive vLLM's ``Scheduler`` and ``AsyncScheduler`` through a short workload that admits,
+    chunks, hits the prefix cache, preempts, finishes, aborts and resets, with either model
+    runner. Returns the number of engine steps. ``fetch-core`` runs it (through the oracle's
+    smoke test) so that the modules vLLM imports while building its configs are kept."""
+    steps = 0
+    for async_scheduling in (False, True):
+        workload = SchedulerWorkload(
+            "smoke", seed=1, groups=[("full", 4), ("window", 4, 8)], num_blocks=40,
+            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, steps=60,
+            p_abort=0.1, p_reset=0.05, async_scheduling=async_scheduling,
+            use_v2_model_runner=async_scheduling)
+        steps += replay(workload, [vllm_side(o, workload)]).engine_steps
+    return steps

@@ -134,21 +134,3 @@ def vllm_request(o: types.SimpleNamespace, request_id: str, prompt_token_ids: li
         params.update_from_generation_config({}, eos_token_id)
     return o.Request(request_id, list(prompt_token_ids), params, None, block_hasher=block_hasher,
                      priority=priority, arrival_time=arrival_time, client_index=client_index)
-
-
-def smoke_test(o: types.SimpleNamespace) -> int:
-    """Drive vLLM's ``Scheduler`` and ``AsyncScheduler`` through a short workload that admits,
-    chunks, hits the prefix cache, preempts, finishes, aborts and resets, with either model
-    runner. Returns the number of engine steps. ``fetch-core`` runs it (through the oracle's
-    smoke test) so that the modules vLLM imports while building its configs are kept."""
-    from paged_attention.v1.core.sched.differential import SchedulerWorkload, replay, vllm_side
-
-    steps = 0
-    for async_scheduling in (False, True):
-        workload = SchedulerWorkload(
-            "smoke", seed=1, groups=[("full", 4), ("window", 4, 8)], num_blocks=40,
-            max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, steps=60,
-            p_abort=0.1, p_reset=0.05, async_scheduling=async_scheduling,
-            use_v2_model_runner=async_scheduling)
-        steps += replay(workload, [vllm_side(o, workload)]).engine_steps
-    return steps
