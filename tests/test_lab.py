@@ -237,7 +237,8 @@ def test_a_correct_notebook_scores_everything(class_run, lab):
     notebook's own import cells, the Triton kernel in the lab cell, lab 08's lists sorted), scores
     100 %: on a GPU machine lab 04 runs compiled, on the GPU."""
     row = class_run["rows"][("alice", lab)]
-    assert row["passed"] == row["total"] and row["first_failure"] == "", row
+    assert row["passed"] == row["total"] and row["first_failure"] == "", \
+        f"{lab}: {row['passed']}/{row['total']}: {row['first_failure']}"     # a string: pytest shows it whole
 
 
 def test_stubs_score_nothing(class_run):
@@ -378,6 +379,134 @@ def test_csv_cells_cannot_start_a_formula(hostile_run):
             assert not any(c[:1] in ("=", "+", "-", "@", "\t", "\r") for c in row), row
     assert [cell(x) for x in ("=1+1", "+1", "-1", "@SUM(A1)", "\tx", "\rx", "ok", 3)] == \
         ["'=1+1", "'+1", "'-1", "'@SUM(A1)", "'\tx", "'\rx", "ok", 3]
+
+
+# ---- the lab on this machine's device (on a GPU: compiled, in the contained child) ----------------
+
+def _lab04_program() -> str:
+    """A correct lab 04 as a .py file: the notebook's ``import torch``, then the lab cell."""
+    return "import torch\n" + (STUDENT_CELLS / "04-triton-slot-mapping.py").read_text()
+
+
+def test_lab04_alone_on_this_machines_device(tmp_path):
+    """Lab 04, correct, graded alone on the device the lab runs on here (on a GPU: CUDA in the
+    contained child, Landlock, Triton compiling into the run's own folder). On failure the message
+    carries the whole reason and the tail of what the child printed."""
+    from paged_attention.lab.grade import _device, grade_program
+    from paged_attention.lab.submission import read_submission
+    path = tmp_path / "lab04.py"
+    path.write_text(_lab04_program())
+    program = read_submission(path, {lab_id: lab.function for lab_id, lab in LABS.items()})["04-triton-slot-mapping"]
+    verdict = grade_program(program, time_limit=120)
+    lab = LABS["04-triton-slot-mapping"]
+    assert verdict.passed == len(lab.checks) and verdict.first_failure == "", (
+        f"on {_device(lab)}: {verdict.passed}/{len(lab.checks)}\nreason: {verdict.first_failure}\n"
+        f"checks: {verdict.results}\nthe child's output (last 4 KiB):\n{verdict.output}")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plants a GPU on a machine without one")
+def test_a_gpu_the_child_cannot_start_is_the_graders_problem(tmp_path, monkeypatch):
+    """A lab sent to a device the child cannot start (here: 'cuda' on a machine without one) scores 0
+    with a reason that says so, not a crash blamed on the code; the run had the GPU's allowance."""
+    from paged_attention.lab import grade as grade_module
+    from paged_attention.lab import sandbox
+    from paged_attention.lab.submission import read_submission
+    path = tmp_path / "lab04.py"
+    path.write_text(_lab04_program())
+    program = read_submission(path, {lab_id: lab.function for lab_id, lab in LABS.items()})["04-triton-slot-mapping"]
+    runs = []
+    real_run_job = sandbox.run_job
+
+    def run_job(*args, **kwargs):
+        runs.append(real_run_job(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(grade_module, "_device", lambda lab: "cuda")
+    monkeypatch.setattr(sandbox, "run_job", run_job)
+    verdict = grade_module.grade_program(program, time_limit=60)
+    assert verdict.passed == 0 and "the grader could not run the lab on cuda" in verdict.first_failure, verdict
+    assert "not of the code" in verdict.first_failure and runs[0].time_allowed == 60 + sandbox.GPU_ALLOWANCE
+
+
+def test_a_gpu_run_keeps_its_caches_in_its_own_folder(tmp_path, monkeypatch):
+    """Triton's and CUDA's caches are the run's (writable under Landlock, never shared with the next
+    submission), whatever the grader's environment says; the CPU forces Triton's interpreter."""
+    from paged_attention.lab.sandbox import child_env
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/shared")
+    monkeypatch.setenv("CUDA_CACHE_PATH", "/somewhere/else")
+    gpu, cpu = child_env("m", str(tmp_path), "cuda"), child_env("m", str(tmp_path), "cpu")
+    for key in ("HOME", "TMPDIR", "TRITON_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH"):
+        assert Path(gpu[key]).is_relative_to(tmp_path), key
+    assert "TRITON_INTERPRET" not in gpu and cpu["TRITON_INTERPRET"] == "1" and cpu["CUDA_VISIBLE_DEVICES"] == ""
+
+
+_CONFINED_PROBE = r"""
+import importlib.util, json, os, stat, subprocess, sys
+spec = importlib.util.spec_from_file_location("runner", sys.argv[1])
+runner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runner)
+root, device, dev = sys.argv[2], sys.argv[3], sys.argv[4]
+run = os.path.join(root, "run")
+assert runner.confine_writes(runner.writable_paths(run, device, dev))
+
+def can(action):
+    try:
+        action()
+        return True
+    except PermissionError:
+        return False
+
+def write(path, mode="a"):
+    def act():
+        with open(path, mode) as f:
+            f.write("x")
+    return act
+
+print(json.dumps({
+    "run folder": can(write(os.path.join(run, "new.txt"), "w")),
+    "fifo in the run folder": can(lambda: os.mkfifo(os.path.join(run, "fifo"))),
+    "device node in the run folder": can(lambda: os.mknod(os.path.join(run, "null2"), stat.S_IFCHR | 0o600,
+                                                          os.makedev(1, 3))),
+    "null": can(write(os.path.join(dev, "null"))),
+    "nvidiactl": can(write(os.path.join(dev, "nvidiactl"))),
+    "nvidia-caps": can(write(os.path.join(dev, "nvidia-caps", "nvidia-cap1"))),
+    "shm create": can(write(os.path.join(dev, "shm", "cuda.shm.0.1.1"), "w")),
+    "shm remove": can(lambda: os.remove(os.path.join(dev, "shm", "old"))),
+    "another device": can(write(os.path.join(dev, "sda"))),
+    "a new file in dev": can(write(os.path.join(dev, "new"), "w")),
+    "outside": can(write(os.path.join(root, "outside.txt"))),
+    "read outside": can(lambda: open(os.path.join(root, "outside.txt")).read()),
+    "exec": subprocess.run([sys.executable, "-c", "pass"]).returncode == 0,
+}))
+"""
+
+
+@pytest.mark.skipif(not _landlock(), reason="the kernel has no Landlock")
+@pytest.mark.parametrize("device", ["cuda", "cpu"], ids=["gpu-rules", "cpu-rules"])   # an id "cuda" would be skipped
+def test_landlock_rules_for_the_device(tmp_path, device):
+    """Under the child's rules (a /dev of our own standing in for the real one): on a GPU, CUDA's
+    device files can be written and /dev/shm used; on both, the run's folder and /dev/null; never
+    another device, a new file in /dev, a device node, or a file outside. Reading and running
+    programs (Triton's ldconfig, cc, ptxas) stay allowed."""
+    from paged_attention.lab import runner
+    dev, run = tmp_path / "dev", tmp_path / "run"
+    for d in (dev / "nvidia-caps", dev / "shm", run):
+        d.mkdir(parents=True)
+    for f in ("null", "nvidiactl", "nvidia0", "sda", "nvidia-caps/nvidia-cap1", "shm/old"):
+        (dev / f).write_text("")
+    (tmp_path / "outside.txt").write_text("the teacher's")
+    proc = subprocess.run([sys.executable, "-c", _CONFINED_PROBE, runner.__file__, str(tmp_path), device, str(dev)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    gpu = device == "cuda"
+    assert got == {"run folder": True, "fifo in the run folder": True, "device node in the run folder": False,
+                   "null": True, "nvidiactl": gpu, "nvidia-caps": gpu, "shm create": gpu, "shm remove": gpu,
+                   "another device": False, "a new file in dev": False, "outside": False, "read outside": True,
+                   "exec": True}
+    assert (tmp_path / "outside.txt").read_text() == "the teacher's" and (dev / "sda").read_text() == ""
+    assert [p for p, _ in runner.writable_paths(str(run), "cpu")] == [str(run)] + [
+        f"/dev/{n}" for n in ("null", "zero", "full") if os.path.exists(f"/dev/{n}")]
 
 
 # ---- the rule: what is graded, the same in the notebook and in the grader -------------------------

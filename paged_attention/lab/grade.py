@@ -48,6 +48,7 @@ class Row:
 class Verdict:
     results: list[tuple[str, bool, str]]     # (check name, passed, message) for each check run
     reason: str = ""                          # why nothing ran (the whole program failed), or ""
+    output: str = ""                          # the last few KiB the child printed (for diagnosing the grader)
 
     @property
     def passed(self) -> int:
@@ -102,7 +103,9 @@ def grade_program(program: Program, *, public_only: bool = False, time_limit: fl
                      enumerate(lab.checks)]}
     run = sandbox.run_job(job, program.source, time_limit, memory_limit << 20, _device(lab),
                           marker or f"g{secrets.token_hex(4)}")
-    return _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_name)
+    verdict = _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_name)
+    verdict.output = run.output_tail
+    return verdict
 
 
 def _json(x) -> str:
@@ -122,8 +125,13 @@ def _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_n
     if run.malformed:
         return Verdict([], "the answer channel carried lines the grader's child did not write (a forged "
                            "result?): 0")
-    if any(events.count(e) > 1 for e in ("ready", "done", "error", "missing")):
+    if any(events.count(e) > 1 for e in ("ready", "done", "error", "missing", "setup")):
         return Verdict([], "the answers were tampered with (a repeated message): 0")
+    if "setup" in events:
+        m = next(m for m in msgs if m.get("event") == "setup")
+        error = m.get("error") or {}
+        return Verdict([], f"the grader could not run the lab on {str(m.get('device'))[:20]} (a problem of the "
+                           f"grading machine, not of the code): {error.get('type')}: {error.get('message')}")
     if "error" in events:
         error = next(m for m in msgs if m.get("event") == "error").get("error") or {}
         return Verdict([], "the code does not run: " + _error_text(error, program, where_name))
@@ -135,7 +143,9 @@ def _verdict(lab, program, checks, cases, run, time_limit, memory_limit, where_n
     elif run.over_memory:
         stopped = f"stopped: it used more than {memory_limit} MiB of memory"
     elif run.timed_out:
-        stopped = f"stopped after {time_limit:g} s (an endless loop?)"
+        allowed = run.time_allowed or time_limit
+        extra = f" ({time_limit:g} s and {allowed - time_limit:g} s for starting the GPU)" if allowed > time_limit else ""
+        stopped = f"stopped after {allowed:g} s{extra} (an endless loop?)"
     elif "done" not in events:
         code = run.returncode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
@@ -335,7 +345,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--csv", help="also write the rows and a summary per lab to this CSV file")
     parser.add_argument("--roster", help="a CSV with columns 'file' and 'student' (file name -> student)")
     parser.add_argument("--time-limit", type=_positive(float, 3600), default=TIME_LIMIT,
-                        help=f"seconds per submission and lab (default {TIME_LIMIT:g})")
+                        help=f"seconds per submission and lab (default {TIME_LIMIT:g}; a lab that runs on a GPU "
+                             f"gets {sandbox.GPU_ALLOWANCE:g} s more to start CUDA and compile its kernels)")
     parser.add_argument("--memory-limit", type=_positive(int, 1 << 20), default=MEMORY_LIMIT,
                         help=f"MiB a lab's code may allocate (default {MEMORY_LIMIT})")
     parser.add_argument("--jobs", type=_positive(int, 64), default=min(2, os.cpu_count() or 1),

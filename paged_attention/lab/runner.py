@@ -7,8 +7,9 @@ case, where to answer) from stdin, then
 
 1. puts the site-packages folders the grader gave it on ``sys.path`` (``-S`` skipped the ``.pth``
    files, ``-I`` the current folder and every ``PYTHON*`` variable),
-2. imports the heavy libraries the lab needs (numpy, torch, triton), then limits its address space
-   and the size of any file it writes,
+2. imports the heavy libraries the lab needs (numpy, torch, triton), creates the GPU's context if the
+   lab runs on one, then limits its address space (on the CPU), the size of any file it writes and,
+   with Landlock, where it may write (``writable_paths``),
 3. runs the program and calls the lab's function on every case's inputs,
 4. sends back each answer as plain JSON (ints, floats, strings, lists, None) on the file
    descriptor the grader opened, each line carrying the grader's nonce.
@@ -133,17 +134,35 @@ def _limit(memory_bytes: int | None, file_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-# Landlock (Linux >= 5.13): the kernel's unprivileged sandbox. Reading stays allowed everywhere;
-# creating, writing, removing or renaming files only inside the run's folder (and writing to the
-# device files under /dev, for /dev/null and a GPU), and from ABI 6 no signal to a process outside.
+# Landlock (Linux >= 5.13): the kernel's unprivileged sandbox. Reading and executing stay allowed
+# everywhere (Triton runs ``ldconfig``, a C compiler and ``ptxas``, and reads libcuda); ioctl on
+# devices is not handled either (CUDA drives the GPU through it). Creating, writing, removing or
+# renaming files is allowed only inside the run's folder and, for a run on a GPU, in /dev/shm
+# (CUDA's driver keeps small files there); writing, not creating, to /dev/null, /dev/zero,
+# /dev/full and, on a GPU, the NVIDIA device files. Device nodes cannot be made anywhere (as root,
+# one would open a raw disk). From ABI 6, no signal to a process outside and no abstract socket.
 _SYSCALLS = {"x86_64": (444, 445, 446), "aarch64": (444, 445, 446)}
-_WRITE = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))   # write, remove, make_*
+_WRITE_FILE, _MAKE_CHAR, _MAKE_BLOCK = 1 << 1, 1 << 6, 1 << 11
+_CHANGE = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))   # write, remove, make_*
 _REFER, _TRUNCATE, _SCOPE_SIGNAL, _SCOPE_UNIX = 1 << 13, 1 << 14, 1 << 1, 1 << 0
+_PLAIN_DEVICES = ("null", "zero", "full")
 
 
-def confine_writes(folder: str) -> bool:
-    """Allow file changes only beneath ``folder`` (and writes to /dev) for this process and all it
-    starts; True if the kernel applied it."""
+def writable_paths(folder: str, device: str, dev: str = "/dev") -> list[tuple[str, str]]:
+    """Where a run on ``device`` may change files: ``(path, "tree")`` (create, write and remove
+    beneath it) or ``(path, "file")`` (write an existing file, or the files beneath a folder).
+    ``dev`` is where the device files are (a test points it elsewhere)."""
+    paths = [(folder, "tree")] + [(os.path.join(dev, name), "file") for name in _PLAIN_DEVICES]
+    if device != "cpu":
+        paths += [(os.path.join(dev, name), "file") for name in sorted(os.listdir(dev)) if name.startswith("nvidia")]
+        paths.append((os.path.join(dev, "shm"), "tree"))
+    return [(path, kind) for path, kind in paths if os.path.exists(path)]
+
+
+def confine_writes(paths: list[tuple[str, str]]) -> bool:
+    """Allow file changes only at ``paths`` (see ``writable_paths``; the first one must take its
+    rule, the others are skipped if the kernel refuses them) for this process and all it starts;
+    True if the kernel applied it."""
     import ctypes
     import platform
     nums = _SYSCALLS.get(platform.machine())
@@ -154,7 +173,8 @@ def confine_writes(folder: str) -> bool:
     abi = libc.syscall(nums[0], None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     if abi < 1:
         return False
-    handled = _WRITE | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    handled = _CHANGE | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
+    access = {"tree": handled & ~(_MAKE_CHAR | _MAKE_BLOCK), "file": _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)}
     attr = (ctypes.c_uint64 * 3)(handled, 0, (_SCOPE_SIGNAL | _SCOPE_UNIX) if abi >= 6 else 0)
     ruleset = libc.syscall(nums[0], ctypes.byref(attr), ctypes.c_size_t(24 if abi >= 6 else 8), ctypes.c_uint32(0))
     if ruleset < 0:
@@ -165,12 +185,17 @@ def confine_writes(folder: str) -> bool:
         _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
     try:
-        for path, access in ((folder, handled), ("/dev", (1 << 1) | (_TRUNCATE if abi >= 3 else 0))):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        for k, (path, kind) in enumerate(paths):
             try:
-                rule = PathBeneath(access, fd)
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                if k == 0:
+                    return False
+                continue
+            try:
+                rule = PathBeneath(access[kind], fd)
                 if libc.syscall(nums[1], ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule),
-                                ctypes.c_uint32(0)) < 0:
+                                ctypes.c_uint32(0)) < 0 and k == 0:
                     return False
             finally:
                 os.close(fd)
@@ -179,6 +204,15 @@ def confine_writes(folder: str) -> bool:
         return libc.syscall(nums[2], ctypes.c_int(ruleset), ctypes.c_uint32(0)) == 0
     finally:
         os.close(ruleset)
+
+
+def start_device(device: str) -> None:
+    """Create the GPU's context before the program runs and before the writes are confined: CUDA
+    opens its device files and /dev/shm here, and its memory counts in the run's starting size."""
+    if device != "cpu" and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        torch.ones(1, device=device).add_(1)
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -197,9 +231,15 @@ def main() -> None:
             __import__(name)
         except Exception:
             pass                                    # the program's own import reports it
+    try:
+        start_device(job["device"])
+    except Exception as e:                          # the grading machine's problem, not the program's
+        send(event="setup", error=_error(e, ""), device=job["device"])
+        send(event="done")
+        os._exit(0)
     _limit(job["memory_bytes"], job["file_bytes"])
     try:
-        confined = confine_writes(os.getcwd())
+        confined = confine_writes(writable_paths(os.getcwd(), job["device"]))
     except (OSError, AttributeError):
         confined = False
     with open("/proc/self/status") as f:
@@ -224,7 +264,12 @@ def main() -> None:
         os._exit(0)
     for i, cases in enumerate(job["cases"]):
         for j, args_json in enumerate(cases):
-            result = call_case(fn, args_json, job["arg_types"], job["returns_args"], job["device"], filename)
+            try:
+                result = call_case(fn, args_json, job["arg_types"], job["returns_args"], job["device"], filename)
+            except Exception as e:                  # the inputs could not be made on the device
+                send(event="setup", error=_error(e, filename), device=job["device"])
+                send(event="done")
+                os._exit(0)
             send(event="case", check=i, case=j, **result)
     send(event="done")
     os._exit(0)                                     # no atexit handler of the submission runs

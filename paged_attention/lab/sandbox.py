@@ -11,8 +11,13 @@ handed to it; only then is the folder removed.
 
 Memory: on the CPU the runner limits its own address space (RLIMIT_AS) after its imports; a run on
 a GPU cannot (CUDA reserves far more address space than it uses), so there the parent watches the
-resident memory of the run's session and kills it past the limit (plus 2 GiB for CUDA's context
-and Triton's compiler). Linux only (``/proc``).
+resident memory of the run's session (every process in it, the C compiler and ``ptxas`` that
+Triton starts included) and kills it past the runner's size once its imports and CUDA's context
+are made, plus the limit, plus 2 GiB for Triton's compiler. Linux only (``/proc``).
+
+Time: the limit covers the whole run, imports included. On a GPU a run also starts CUDA and
+compiles its kernels from nothing (Triton's cache is the run's own folder, so that no run can plant
+a compiled kernel for another): that gets ``GPU_ALLOWANCE`` seconds on top of the limit.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ OUTPUT_TAIL = 4096              # bytes of a run's output kept for its row
 ANSWER_LIMIT = 32 << 20         # bytes of answers read at most
 FILE_LIMIT = 64 << 20           # the largest file a run may write
 PR_SET_CHILD_SUBREAPER = 36
-CUDA_HEADROOM = 2 << 30         # on a GPU, what CUDA's context and Triton's compiler add to a run
+CUDA_HEADROOM = 2 << 30         # on a GPU, what Triton's compiler (LLVM, cc, ptxas) adds to a run
+GPU_ALLOWANCE = 30.0            # seconds added on a GPU: CUDA's context, compiling kernels from nothing
 _lock = threading.Lock()
 _children: set[int] = set()     # pids of runners alive now (never treated as orphans)
 
@@ -53,6 +59,7 @@ class RunResult:
     output_tail: str = ""
     output_bytes: int = 0
     seconds: float = 0.0
+    time_allowed: float = 0.0   # the limit the run had (on a GPU, with GPU_ALLOWANCE)
 
 
 def site_dirs() -> list[str]:
@@ -67,12 +74,16 @@ def site_dirs() -> list[str]:
 
 
 def child_env(marker: str, workdir: str, device: str) -> dict:
-    """A small environment: no PYTHON* variable, HOME and TMPDIR in the run's folder, one thread."""
+    """A small environment: no PYTHON* variable, one thread, and HOME, TMPDIR, Triton's cache and
+    CUDA's JIT cache in the run's folder (the only place it may write; a cache shared between runs
+    would let one submission plant compiled code for the next)."""
     keep = ("PATH", "LANG", "LC_ALL", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "TRITON_PTXAS_PATH",
-            "TRITON_LIBCUDA_PATH", "TRITON_CACHE_DIR")
+            "TRITON_LIBCUDA_PATH")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update({MARKER_VAR: marker, "HOME": workdir, "TMPDIR": workdir, "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONHASHSEED": "0"})
+                "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONHASHSEED": "0",
+                "TRITON_HOME": workdir, "TRITON_CACHE_DIR": os.path.join(workdir, ".triton", "cache"),
+                "CUDA_CACHE_PATH": os.path.join(workdir, ".nv", "ComputeCache")})
     if device == "cpu":
         env.update({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
     elif "CUDA_VISIBLE_DEVICES" in os.environ:
@@ -175,6 +186,7 @@ def run_job(job: dict, program: str, time_limit: float, memory_bytes: int, devic
     job = dict(job, nonce=nonce, result_fd=write_answers, site_dirs=site_dirs(), filename=filename,
                program=program, device=device, file_bytes=FILE_LIMIT,
                memory_bytes=memory_bytes if device == "cpu" else None)
+    result.time_allowed = time_limit + (GPU_ALLOWANCE if device != "cpu" else 0.0)
     start = time.monotonic()
     try:
         with _lock:
@@ -196,7 +208,7 @@ def run_job(job: dict, program: str, time_limit: float, memory_bytes: int, devic
     sel = selectors.DefaultSelector()
     sel.register(read_answers, selectors.EVENT_READ, "answers")
     sel.register(child.stdout, selectors.EVENT_READ, "output")
-    deadline, next_rss, base_rss, drain_until = start + time_limit, start + 0.5, None, None
+    deadline, next_rss, base_rss, drain_until = start + result.time_allowed, start + 0.5, None, None
     try:
         while True:
             now = time.monotonic()
