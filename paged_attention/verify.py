@@ -16,7 +16,8 @@ there. Otherwise the returned ``Verification`` prints as a small table.
 For the legacy block layer, ``PagedCacheCheck`` keeps a KV cache per implementation, written
 through ``BlockTable``s token by token (``reshape_and_cache``), copied on write
 (``copy_blocks``) and read back by paged attention, each sequence compared with dense attention
-over its own tokens; ``verify_block_tables`` is its one-call form.
+over its own tokens; ``verify_block_tables`` is its one-call form, and ``check_scheduled_run``
+drives it through a whole scheduler run, swaps and copies on write included.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from paged_attention.kernels import reference as ref
 from paged_attention.kernels.workloads import assert_close_to_oracle
 from paged_attention.legacy.block_table import BlockTable
 from paged_attention.legacy.cpu_gpu_block_allocator import NullBlock
+from paged_attention.legacy.sequence import SequenceStatus
 
 
 @dataclass
@@ -571,6 +573,52 @@ class PagedCacheCheck:
             raise ValueError(f"table {name!r} holds block id {bad[0]}, outside the cache's [0, {self.num_blocks}) "
                              "(a CPU id after a swap?)")
         return ids
+
+
+@dataclass
+class ScheduledRun:
+    """What ``check_scheduled_run`` did: the steps run, the blocks that came back from the CPU
+    (each bit for bit as it left), the copies on write applied, and every step's check."""
+    steps: int
+    blocks_swapped_in: int
+    copies: int
+    checks: list[Verification]
+
+
+def check_scheduled_run(engine, kv: PagedCacheCheck) -> ScheduledRun:
+    """Drive ``engine`` (a ``legacy.workload.SimulatedEngine``) to the end, keeping real keys and
+    values in ``kv``'s caches as vLLM V0's worker did before each forward pass: the swap-ins
+    (``swap_blocks`` CPU -> GPU, each block checked bit-identical to what went out), the
+    swap-outs (GPU -> CPU), the copies on write (``copy_blocks``); then each prefill's prompt
+    (after its prefix-cache hit) and each decode's new token written through its table, and every
+    running sequence's attention checked (``PagedCacheCheck.check``). A sequence recomputed or
+    finished is forgotten. Raises ``AssertionError`` at the first step that goes wrong."""
+    tables = engine.block_manager.block_tables
+    name = engine.seq_name
+    returned, copies, checks = 0, 0, []
+    while not engine.done:
+        record = engine.schedule()
+        returned += kv.swap_in(record.blocks_to_swap_in)
+        kv.swap_out(record.blocks_to_swap_out)
+        kv.copy_blocks(record.blocks_to_copy)
+        copies += len(record.blocks_to_copy)
+        for group in record.recomputed:               # their K/V is gone: written again on admission
+            for seq in group.get_seqs(SequenceStatus.WAITING):
+                kv.forget(name(seq))
+        for group in record.prefills:                 # the prompt, once; the other samples fork it
+            first, *rest = group.get_seqs(SequenceStatus.RUNNING)
+            kv.write(name(first), tables[first.seq_id], first.get_token_ids(),
+                     start=record.num_cached_tokens[group.request_id])
+            for seq in rest:
+                kv.fork(name(first), name(seq))
+        for group in record.decodes:                  # one new token per sequence
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                kv.write(name(seq), tables[seq.seq_id], seq.get_token_ids())
+        if engine.live_tables():
+            checks.append(kv.check(engine.live_tables()))
+        for seq in engine.update(record):             # finished samples are freed
+            kv.forget(name(seq))
+    return ScheduledRun(len(engine.history), returned, copies, checks)
 
 
 def verify_block_tables(tables: Mapping[str, object], token_ids: Mapping[str, Sequence[int]], num_blocks: int,

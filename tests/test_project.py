@@ -76,3 +76,22 @@ def test_utils():
     assert list(chunk_list(list(range(7)), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
     with pytest.raises(ValueError, match="chunk_size"):
         list(chunk_list([1], 0))
+
+
+def test_pyproject_license_is_an_spdx_string():
+    """``project.license`` as a string (setuptools 77+); the table form warns on every build."""
+    tomllib = pytest.importorskip("tomllib")            # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert any(r.replace(" ", "").startswith("setuptools>=") and int(r.split(">=")[1].split(".")[0]) >= 77
+               for r in project["build-system"]["requires"])
+
+
+def test_generated_folders_are_git_ignored():
+    """What make book, the benchmarks and the lab workflow write stays out of git status."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["student/00_overview.ipynb", "submissions/a.py", "grades.csv", "build/book/index.html",
+             "bench-out/x.json", "vllm-kernels/x.xz"]
+    out = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.split() == paths

@@ -312,3 +312,40 @@ def test_kernel_unavailable_skips_with_its_whole_message(monkeypatch, kernel):
     v = kv.check(tables)
     assert "Triton" in v.skipped and not v.failed
     assert dict((n, d) for n, _, d in v.rows)["Triton"] == PLANTED
+
+
+# --- check_scheduled_run: a whole scheduler run with real keys and values ------------------------
+
+def _scheduled(seed=25):
+    from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
+    from paged_attention.legacy.workload import SimulatedEngine, synthetic_workload
+    work = synthetic_workload(4, seed=seed, n=(1, 2, 3), arrival_every=1.0, mean_prompt_len=12, mean_output_len=12,
+                              max_len=32)
+    mgr = SelfAttnBlockSpaceManager(8, num_gpu_blocks=8, num_cpu_blocks=8, watermark=0.1)
+    return mgr, SimulatedEngine(mgr, work), verify.PagedCacheCheck(8, 8, num_cpu_blocks=8, head_size=32)
+
+
+def test_a_scheduled_run_with_swaps_and_copies_passes_and_frees_everything():
+    mgr, engine, kv = _scheduled()
+    run = verify.check_scheduled_run(engine, kv)
+    assert run.steps == len(engine.history) and len(run.checks) > 0
+    assert run.blocks_swapped_in == sum(len(r.blocks_to_swap_in) for r in engine.history) > 0
+    assert run.copies == sum(len(r.blocks_to_copy) for r in engine.history) > 0
+    assert all("Triton" in c.verified for c in run.checks)
+    assert mgr.get_num_free_gpu_blocks() == 8 and mgr.get_num_free_cpu_blocks() == 8
+
+
+@pytest.mark.parametrize("dropped", ["blocks_to_copy", "blocks_to_swap_out"])
+def test_a_scheduled_run_that_drops_a_block_move_fails(dropped):
+    """An engine that forgets one kind of block move (a planted bug) is stopped: a missed copy by the
+    attention check, a missed swap-out when its blocks are asked back (swap_in refuses them)."""
+    _, engine, kv = _scheduled()
+    schedule = engine.schedule
+
+    def lossy():
+        record = schedule()
+        getattr(record, dropped).clear()
+        return record
+    engine.schedule = lossy
+    with pytest.raises(AssertionError if dropped == "blocks_to_copy" else ValueError):
+        verify.check_scheduled_run(engine, kv)

@@ -255,3 +255,35 @@ def test_draw_decode_bandwidth_turns_times_into_read_rates_under_the_copy_ceilin
         args = dict(kv_bytes=kv, copy_bytes_per_s=3e12) | bad
         with pytest.raises(ValueError):
             draw_decode_bandwidth(contexts, times, **args)
+
+
+# --- v1_launch: what shared memory lets v1 launch ---------------------------------------------------
+H100 = dict(shared_per_block=227 * 1024, shared_per_sm=228 * 1024, num_sms=132)
+
+
+def test_v1_launch_falls_back_to_one_head_when_four_heads_scores_do_not_fit():
+    from paged_attention.kernels.layout import v1_launch
+    # 32 query heads over 8 KV heads: four heads a block while 4 x context floats fit in 227 KiB.
+    short = v1_launch(8, 32, 8, 128, 8192, 16, **H100)
+    assert (short.heads_per_block, short.num_blocks, short.blocks_per_sm, short.waves) == (4, 64, 1, 1)
+    assert short.shared_bytes == 4 * (4 * 8192 + 4 * 128 + 4 * 4)
+    long = v1_launch(8, 32, 8, 128, 16384, 16, **H100)
+    assert (long.heads_per_block, long.num_blocks, long.blocks_per_sm, long.waves) == (1, 256, 3, 1)
+    # Twice the context: one block of 128 KiB scores per multiprocessor, so 256 blocks take 2 waves.
+    longer = v1_launch(8, 32, 8, 128, 32768, 16, **H100)
+    assert (longer.blocks_per_sm, longer.waves) == (1, 2)
+    # Scores are kept for whole blocks; a group of 3 query heads per KV head is never batched by 4.
+    assert v1_launch(1, 4, 4, 64, 17, 16, **H100).shared_bytes == 4 * (32 + 64 + 4)
+    assert v1_launch(1, 12, 4, 64, 100, 16, **H100).heads_per_block == 1
+    # Short contexts: the threads' limit (16 blocks of 128 threads), not shared memory.
+    assert v1_launch(1, 32, 8, 128, 16, 16, **H100).blocks_per_sm == 16
+
+
+def test_v1_launch_refuses_what_v1_cannot_run():
+    from paged_attention.kernels.layout import v1_launch
+    with pytest.raises(ValueError, match="shared memory"):
+        v1_launch(1, 8, 8, 128, 65536, 16, **H100)        # 256 KiB of scores for one head
+    with pytest.raises(ValueError, match="multiple"):
+        v1_launch(1, 6, 4, 128, 64, 16, **H100)
+    with pytest.raises(ValueError):
+        v1_launch(0, 8, 8, 128, 64, 16, **H100)

@@ -327,3 +327,37 @@ def test_hash_chain_marks_exactly_the_prefix_cache_hits():
     # B's two system blocks hit; C's do not (another first block changes every later hash).
     lookups = 2 + 3 + 3
     assert len(hits) == round(pc.get_prefix_cache_hit_rate(Device.GPU) * lookups) == 2
+
+
+def test_crossings_counts_pairs_that_cross():
+    from paged_attention.viz.legacy import crossings
+    assert crossings([((0, 1), (1, 0)), ((0, 0), (1, 1))]) == 1           # an X
+    assert crossings([((0, 1), (0, 0)), ((1, 1), (1, 0))]) == 0           # parallel
+    assert crossings([((0, 1), (1, 0)), ((1, 0), (2, 1))]) == 0           # touching at an end
+    assert crossings([((0, 1), (3, 0)), ((1, 1), (0, 0)), ((2, 1), (1, 0))]) == 2
+
+
+def test_tangled_tables_name_the_holders_instead_of_drawing_arrows():
+    """A table whose blocks land out of order (allocation after evictions) would draw crossing
+    arrows: the holders are named under the pool blocks instead; untangled tables keep arrows."""
+    allocator = CpuGpuBlockAllocator.create("naive", 8, 0, 4)
+    scattered = BlockTable(4, allocator)
+    scattered.allocate(list(range(16)))                  # blocks 0-3
+    other = BlockTable(4, allocator)
+    other.allocate(list(range(16)))                      # blocks 4-7
+    scattered.free()
+    late = BlockTable(4, allocator)
+    late.allocate(list(range(16)))                       # freed blocks come back in reverse: 3, 2, 1, 0
+    tables = {"other": other, "late": late}
+    ax = draw_legacy_block_tables(tables, allocator)
+    holders = [t.get_text() for t in ax.texts if t.get_gid() == "holders"]
+    assert not [t for t in ax.texts if getattr(t, "arrow_patch", None) is not None]
+    assert sorted(holders) == sorted([f"other[{j}]" for j in range(4)] + [f"late[{j}]" for j in range(4)])
+    plt.close(ax.figure)
+    forced = draw_legacy_block_tables(tables, allocator, arrows=True)
+    assert len([t for t in forced.texts if getattr(t, "arrow_patch", None) is not None]) == 8
+    plt.close(forced.figure)
+    allocator, tables = forked()                         # a fork and one copy: arrows stay
+    ax = draw_legacy_block_tables(tables, allocator)
+    assert not [t for t in ax.texts if t.get_gid() == "holders"]
+    plt.close(ax.figure)

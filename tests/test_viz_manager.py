@@ -176,3 +176,25 @@ def test_highlight_greys_out_every_other_request_and_mark_step_shades_one_column
         with pytest.raises(ValueError):
             draw_pools_over_time(history, 32, 16, **bad)
     assert len(plt.get_fignums()) == before          # refused before any figure was made
+
+
+def test_long_bars_name_their_holder_and_crop_stops_at_the_highest_block():
+    history = demo_history()
+    ax = draw_pool_over_time(history, 32, "GPU")
+    from paged_attention.viz.manager import LABEL_MIN_STEPS
+    long_runs = [r for r in owner_runs(history, "GPU") if r.end - r.start >= LABEL_MIN_STEPS]
+    labels = [t for t in ax.texts if t.get_gid() == "holder"]
+    assert sorted(t.get_text() for t in labels) == sorted("+".join(r.owner.request_ids) for r in long_runs)
+    assert all(t.get_position()[1] == r.block_id for t, r in zip(
+        sorted(labels, key=lambda t: (t.get_position()[1], t.get_position()[0])), long_runs))
+    plt.close(ax.figure)
+    # Highlighting names only the followed request.
+    ax = draw_pool_over_time(history, 32, "GPU", highlight="r7")
+    assert {t.get_text() for t in ax.texts if t.get_gid() == "holder"} == {"r7"}
+    plt.close(ax.figure)
+    # A pool of 96 blocks that the run used up to block 31: the axis stops there, and says so.
+    ax = draw_pool_over_time(history, 96, "GPU", crop=True)
+    highest = max(r.block_id for r in owner_runs(history, "GPU"))
+    assert ax.get_ylim()[1] == pytest.approx(highest + 0.5)
+    assert f"blocks {highest + 1} to 95 stayed free (not drawn)" in texts(ax)
+    plt.close(ax.figure)

@@ -41,3 +41,32 @@ def test_draw_steps_calls_every_step_once_and_hides_spare_panels():
         draw_steps(lambda i, ax: None, 0)
     with pytest.raises(ValueError):
         draw_steps(lambda i, ax: None, 2, titles=["only one"])
+
+
+def test_the_stepper_output_carries_its_static_twin():
+    """A reader who has not run the cell (JupyterLab, untrusted) or reads the static book sees the
+    picture at the controls' first values: the output's PNG, next to the widget itself."""
+    pytest.importorskip("ipywidgets")
+    import base64
+
+    calls = []
+
+    def draw(step, who):
+        calls.append((step, who))
+        fig, ax = plt.subplots(figsize=(2, 1))
+        ax.set_title(f"{who} {step}")
+
+    w = stepper(draw, step=range(3, 9), who=["a", "b"])
+    open_figures = plt.get_fignums()
+    bundle = w._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert base64.b64decode(bundle["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert calls[-1] == (3, "a")                                   # the first values
+    assert "step=3, who='a'" in bundle["text/plain"] and "interactive(" not in bundle["text/plain"]
+    assert plt.get_fignums() == open_figures                       # the twin's figure is closed
+
+
+def test_static_twin_refuses_a_draw_that_makes_no_figure():
+    from paged_attention.viz.stepper import static_twin
+    with pytest.raises(ValueError, match="no figure"):
+        static_twin(lambda: None, {})

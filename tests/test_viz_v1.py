@@ -223,12 +223,18 @@ def test_dcp_drawing_places_each_token_where_its_rank_stores_it(world, interleav
         slots = t.slot_mapping.np[:n]
         mine = [p for p in range(n) if slots[p] >= 0]
         assert sorted(int(s) for s in texts(ax, f"rank{rank}")) == mine         # top strip colours
-        drawn = {int(x.get_text()): x.get_position()[0] - 0.5 for x in ax.texts if x.get_gid() == f"local{rank}"}
+        drawn = {int(x.get_text()): x.get_position() for x in ax.texts if x.get_gid() == f"local{rank}"}
         assert sorted(drawn) == mine
         for p in mine:
             s = int(slots[p])
-            assert drawn[p] == (s // B) * virtual + s % B     # block j of the rank, under virtual block j
-    assert f"column {columns - 1}: positions {(columns - 1) * virtual}–{n - 1}" in texts(ax)
+            assert drawn[p][0] - 0.5 == s % B                 # its place in the rank's block ...
+        # ... and the rank's blocks 0, 1, ... one band under the other: top to bottom, left to right
+        # is the order of the slots.
+        by_place = sorted(mine, key=lambda p: (-drawn[p][1], drawn[p][0]))
+        assert by_place == sorted(mine, key=lambda p: int(slots[p]))
+        assert len({drawn[p][1] for p in mine}) == len({int(slots[p]) // B for p in mine})
+    for j in range(columns):
+        assert f"column {j}: positions {j * virtual}–{min((j + 1) * virtual, n) - 1}" in texts(ax)
 
 
 def test_dcp_drawing_rejects_bad_input():

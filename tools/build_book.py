@@ -12,6 +12,10 @@ notebooks (committed executed on a GPU). Links from one notebook to another, "NN
 "NN_name.ipynb#anchor", are pointed at the matching .html page, and every page gets a small
 navigation bar at its top and bottom (contents, previous, next).
 
+The pages load no script from the network: nbconvert's template would fetch require.js, MathJax,
+mermaid and the widget manager from CDNs, so they are left out, and a widget's output shows the
+picture or text saved next to it (a stepper saves its static twin, a PNG). The book reads offline.
+
 The check makes sure the book is whole: every notebook has its page, the index links every page,
 and every link that stays inside the book reaches a file that exists and, when it names an
 anchor, an element with that id in the target page. Broken links are listed and the exit status
@@ -45,9 +49,16 @@ NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "build" / "book"
 INDEX = "index.html"
 
-# nbconvert's JupyterLab template with the navigation bar added inside <main>, at both ends.
+# nbconvert's JupyterLab template with the navigation bar added inside <main>, at both ends, and
+# every script it would fetch from the network left out (require.js, MathJax, mermaid, the widget
+# manager): the book must read offline, and no notebook needs them (no math, no diagrams; a
+# stepper's output carries its picture as a PNG, which the page shows instead of the widget).
 _PAGE_TEMPLATE = """\
 {%- extends 'lab/index.html.j2' -%}
+{% block html_head_js_requirejs %}{% endblock html_head_js_requirejs %}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{% block html_head_js_mathjax %}{% endblock html_head_js_mathjax %}
+{% block html_head_js_mermaidjs %}{% endblock html_head_js_mermaidjs %}
 {% block extra_css %}
 <style type="text/css">
   nav.book-nav { display: flex; gap: 1.5em; align-items: baseline; flex-wrap: wrap;
@@ -151,6 +162,24 @@ def notebooks_in(notebooks_dir: Path) -> list[Path]:
     return sorted(p for p in Path(notebooks_dir).glob("*.ipynb") if p.is_file())
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def without_widgets(nb) -> int:
+    """Drop every widget view from ``nb``'s outputs (a page can only show the other types an output
+    carries: a stepper's PNG, or its text) and the saved widget state; return the views dropped.
+    Changes this in-memory copy only."""
+    dropped = 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if WIDGET_VIEW in data:
+                del data[WIDGET_VIEW]
+                dropped += 1
+    nb.metadata.pop("widgets", None)
+    return dropped
+
+
 def _has_outputs(nb) -> bool:
     code = [c for c in nb.cells if c.cell_type == "code"]
     return not code or any(c.get("execution_count") is not None or c.get("outputs") for c in code)
@@ -240,6 +269,7 @@ def build(out_dir: Path = DEFAULT_OUT, notebooks_dir: Path = NOTEBOOKS,
     for i, (page, nb) in enumerate(zip(pages, read)):
         start = time.perf_counter()
         nb.metadata["title"] = page.title  # the page's <title>; only this in-memory copy changes
+        without_widgets(nb)
         body, _ = exporter.from_notebook_node(nb, resources={
             "metadata": {"name": page.notebook.stem, "path": str(page.notebook.parent)},
             "book_nav": _nav(pages, i),

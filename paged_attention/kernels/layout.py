@@ -113,6 +113,57 @@ def v1_thread_mapping(block_size: int = 16, head_size: int = 128, dtype_bytes: i
                          groups_per_warp=WARP_SIZE // group, vecs_per_lane=head_size // (group * vec))
 
 
+@dataclass(frozen=True)
+class V1Launch:
+    """How this project's CUDA ``paged_attention_v1`` launches for one batch, and what shared
+    memory lets a multiprocessor hold at once.
+
+    v1 keeps a float32 score for every token of the longest sequence, per query head of the CUDA
+    block, in shared memory. ``heads_per_block`` is 4 where a GQA group of four query heads shares
+    each key and value load and their scores fit under the per-block limit, else 1 (vLLM's
+    mapping). ``blocks_per_sm`` counts what shared memory alone allows (the threads' limit too, not
+    the registers'); ``waves`` is how many rounds the grid takes when every multiprocessor is full.
+    """
+
+    heads_per_block: int
+    shared_bytes: int       # one CUDA block's shared memory: the scores, the query, the reductions
+    blocks_per_sm: int
+    num_blocks: int         # the grid: (num_heads / heads_per_block) x num_seqs
+    waves: int
+
+
+V1_NUM_WARPS = 4
+_SHARED_RESERVED = 1024     # bytes the CUDA runtime keeps per block (compute capability 8.0 and up)
+
+
+def v1_launch(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
+              block_size: int, *, shared_per_block: int, shared_per_sm: int, num_sms: int) -> V1Launch:
+    """The launch of ``kernels/cuda``'s v1 for a batch of ``num_seqs`` sequences (see
+    :class:`V1Launch`). ``shared_per_block`` is the device's opt-in limit per block,
+    ``shared_per_sm`` its shared memory per multiprocessor (``torch.cuda.get_device_properties``:
+    ``shared_memory_per_block_optin``, ``shared_memory_per_multiprocessor``)."""
+    for name, value in (("num_seqs", num_seqs), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_size", head_size), ("max_seq_len", max_seq_len), ("block_size", block_size),
+                        ("shared_per_block", shared_per_block), ("shared_per_sm", shared_per_sm),
+                        ("num_sms", num_sms)):
+        check_int(name, value, 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    tokens = math.ceil(max_seq_len / block_size) * block_size       # scores are kept for whole blocks
+
+    def shared(group: int) -> int:
+        return 4 * (group * tokens + group * head_size + group * V1_NUM_WARPS)
+
+    group = 4 if (num_heads // num_kv_heads) % 4 == 0 and shared(4) + 64 <= shared_per_block else 1
+    need = shared(group)
+    if need > shared_per_block:
+        raise ValueError(f"a context of {max_seq_len} tokens needs {need} bytes of shared memory per CUDA "
+                         f"block, more than the device allows ({shared_per_block}): v1 cannot run it")
+    per_sm = max(1, min(shared_per_sm // (need + _SHARED_RESERVED), 2048 // (WARP_SIZE * V1_NUM_WARPS)))
+    num_blocks = (num_heads // group) * num_seqs
+    return V1Launch(group, need, per_sm, num_blocks, math.ceil(num_blocks / (per_sm * num_sms)))
+
+
 # --------------------------------------------------------------------------------------------
 # 3. v2's partitions and how they are merged
 # --------------------------------------------------------------------------------------------

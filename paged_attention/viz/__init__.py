@@ -6,7 +6,7 @@ The palette lives in :mod:`paged_attention.viz.style`.
 """
 from paged_attention.viz.kernels import (
     OnlineSoftmaxStep, ThreadMapping, draw_decode_bandwidth, draw_decode_times, online_softmax_steps, draw_thread_mapping, draw_v0_key_layout, draw_v2_partitions,
-    v0_key_offset, v0_value_offset, v1_thread_mapping, v2_merge_weights, v2_partitions,
+    V1Launch, v0_key_offset, v0_value_offset, v1_launch, v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
 from paged_attention.legacy.cpu_gpu_block_allocator import allocation_order, eviction_order, refcounts
 from paged_attention.viz.legacy import (
@@ -38,7 +38,7 @@ __all__ = [
     "draw_waste_breakdown", "draw_block_table", "draw_slot_mapping", "slot_mapping",
     "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times", "draw_decode_bandwidth",
     "v0_key_offset", "v0_value_offset", "ThreadMapping", "v1_thread_mapping", "v2_partitions",
-    "v2_merge_weights", "OnlineSoftmaxStep", "online_softmax_steps", "Listing", "source_excerpt", "GENERATIONS", "PIPELINE", "draw_pipeline",
+    "v2_merge_weights", "V1Launch", "v1_launch", "OnlineSoftmaxStep", "online_softmax_steps", "Listing", "source_excerpt", "GENERATIONS", "PIPELINE", "draw_pipeline",
     "draw_legacy_block_tables", "draw_hash_chain", "draw_eviction_order", "physical_blocks",
     "allocation_order", "eviction_order", "refcounts", "short_hash", "PhysicalBlock",
     "draw_pools_over_time", "draw_pool_over_time", "draw_sharing_savings", "owner_runs", "event_steps",

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 from matplotlib.patches import Rectangle
 
 from paged_attention.kernels.layout import (
-    CHUNK_BYTES, WARP_SIZE, OnlineSoftmaxStep, ThreadMapping, online_softmax_steps, v0_key_offset, v0_value_offset,
-    v1_thread_mapping, v2_merge_weights, v2_partitions,
+    CHUNK_BYTES, WARP_SIZE, OnlineSoftmaxStep, ThreadMapping, V1Launch, online_softmax_steps, v0_key_offset,
+    v0_value_offset, v1_launch, v1_thread_mapping, v2_merge_weights, v2_partitions,
 )
 from paged_attention.utils import cdiv, check_int, is_int
 from paged_attention.viz.style import EDGE_COLOR, LANE_COLORS, MUTED_COLOR, new_axes, plot_times, seq_color, times_series
@@ -21,7 +21,7 @@ __all__ = [
     "draw_v0_key_layout", "draw_thread_mapping", "draw_v2_partitions", "draw_decode_times", "draw_decode_bandwidth",
     # the models drawn here, re-exported for the notebooks that import them with the drawings
     "ThreadMapping", "v0_key_offset", "v0_value_offset", "v1_thread_mapping", "v2_merge_weights", "v2_partitions",
-    "OnlineSoftmaxStep", "online_softmax_steps",
+    "OnlineSoftmaxStep", "online_softmax_steps", "V1Launch", "v1_launch",
 ]
 
 # --------------------------------------------------------------------------------------------

@@ -141,16 +141,38 @@ def _slots(ax: Any, x: float, y: float, block_size: int, tokens: Sequence[int], 
                            linestyle="--" if dashed else "-", zorder=2.3))
 
 
+MAX_CROSSINGS = 2     # more crossing arrows than this and the holders are named instead
+
+
+def crossings(segments: Sequence[tuple[tuple[float, float], tuple[float, float]]]) -> int:
+    """How many pairs of the straight ``((x0, y0), (x1, y1))`` segments cross each other (touching
+    at an end does not count)."""
+    def side(a, b, c) -> float:
+        return (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+
+    count = 0
+    for k, (p1, p2) in enumerate(segments):
+        for q1, q2 in segments[k + 1:]:
+            if side(p1, p2, q1) * side(p1, p2, q2) < 0 and side(q1, q2, p1) * side(q1, q2, p2) < 0:
+                count += 1
+    return count
+
+
 def draw_legacy_block_tables(tables: Mapping[str, BlockTable], allocator: CpuGpuBlockAllocator,
-                             ax: Any = None, title: str | None = None) -> Any:
+                             ax: Any = None, title: str | None = None, arrows: bool | None = None) -> Any:
     """Each table's logical blocks (top rows) over the GPU's physical blocks (bottom row).
 
     A logical block shows its slots (filled ones shaded, with their token ids for block sizes up
-    to 8) and, above it, the physical id the table maps it to; an arrow joins the two. A
-    physical block shows its id above and its reference count inside; one held more than once
-    is hatched. Free blocks are white and numbered in the order the allocator will hand them
-    out (``#1`` first); the null block of a sliding window is dark grey; a cached block that
-    nobody holds (waiting in a prefix-caching allocator's evictor) has a dashed outline.
+    to 8) and, above it, the physical id the table maps it to. A physical block shows its id
+    above and its reference count inside; one held more than once is hatched. Free blocks are
+    white and numbered in the order the allocator will hand them out (``#1`` first); the null
+    block of a sliding window is dark grey; a cached block that nobody holds (waiting in a
+    prefix-caching allocator's evictor) has a dashed outline.
+
+    ``arrows``: join each table entry to its physical block with an arrow (True), or name the
+    holders under each physical block instead, ``E[0]`` for entry 0 of table E (False). None
+    (the default) draws arrows unless more than ``MAX_CROSSINGS`` of them would cross, where a
+    tangle of lines would hide more than it shows.
     """
     tables = _checked_tables(tables, allocator)
     pool = physical_blocks(tables, allocator)
@@ -211,17 +233,29 @@ def draw_legacy_block_tables(tables: Mapping[str, BlockTable], allocator: CpuGpu
 
     # The table entries as arrows from logical to physical blocks; each table's arrows leave
     # and reach the boxes at their own horizontal offset, so parallel arrows stay apart.
+    links = []                      # (table, entry, block, start, end)
     for i, (name, table) in enumerate(tables.items()):
         dx = _W * (i + 1) / (len(tables) + 1)
         for j, block in enumerate(table.blocks):
-            if block.block_id not in gpu_ids:
-                continue
+            if block.block_id in gpu_ids:
+                links.append((name, j, block, (x_of(j) + dx, -i * _ROW),
+                              (x_of(gpu_ids[block.block_id]) + dx, y_pool + _H + 0.3)))
+    if arrows is None:
+        arrows = crossings([(a, b) for *_, a, b in links]) <= MAX_CROSSINGS
+    y_line = y_pool - 0.55
+    if arrows:
+        for name, _, block, start, end in links:
             null = isinstance(block, NullBlock)
-            ax.annotate("", xy=(x_of(gpu_ids[block.block_id]) + dx, y_pool + _H + 0.3),
-                        xytext=(x_of(j) + dx, -i * _ROW),
+            ax.annotate("", xy=end, xytext=start,
                         arrowprops=dict(arrowstyle="-|>", color=NULL_COLOR if null else colors[name],
                                         lw=0.9, alpha=0.7, shrinkA=0, shrinkB=1,
                                         linestyle="--" if null else "-"), zorder=1)
+    else:
+        for k, p in enumerate(pool):
+            if p.holders and not p.null:
+                ax.text(x_of(k) + _W / 2, y_pool - 0.32, "\n".join(f"{n}[{j}]" for n, j in p.holders),
+                        ha="center", va="top", fontsize=7, color=colors[p.holders[0][0]], gid="holders")
+        y_line = y_pool - 0.4 - 0.2 * max([len(p.holders) for p in pool] + [1])
 
     order = allocation_order(allocator)
     num_free = len(order) - (gpu.evictor.num_blocks if isinstance(gpu, PrefixCachingBlockAllocator) else 0)
@@ -229,7 +263,7 @@ def draw_legacy_block_tables(tables: Mapping[str, BlockTable], allocator: CpuGpu
     line = f"free list, next first: {handout}"
     if isinstance(gpu, PrefixCachingBlockAllocator):
         line += f";  then evictable: {', '.join(map(str, order[num_free:])) or 'none'}"
-    ax.text(0, y_pool - 0.55, line, ha="left", va="top", fontsize=8, color=EDGE_COLOR)
+    ax.text(0, y_line, line, ha="left", va="top", fontsize=8, color=EDGE_COLOR)
 
     handles = [Patch(facecolor="white", edgecolor=EDGE_COLOR, hatch=SHARED_HATCH, label="shared (rc > 1)"),
                Patch(facecolor="white", edgecolor=MUTED_COLOR, label="free (#k: k-th handed out)")]
@@ -242,7 +276,7 @@ def draw_legacy_block_tables(tables: Mapping[str, BlockTable], allocator: CpuGpu
               fontsize=7, frameon=False)
 
     ax.set_xlim(-1.6, max(span, 4.0) + 0.2)
-    ax.set_ylim(y_pool - 0.9, _H + 0.45)
+    ax.set_ylim(y_line - 0.35, _H + 0.45)
     ax.axis("off")
     ax.set_title(title if title is not None else
                  f"Block tables → GPU blocks (block_size = {block_size}; rc = reference count)", fontsize=10)

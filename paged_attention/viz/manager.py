@@ -30,6 +30,15 @@ MARK_COLOR = "#F2CF5B"        # the step a stepper shows
 SWAP_OUT_COLOR = "#C0392B"
 SWAP_IN_COLOR = "#1E8449"
 MODE_LABELS = {"parallel": "parallel sampling", "beam": "beam search"}
+ROW_INCHES = 0.13           # the height of one block's row
+LABEL_MIN_STEPS = 4         # a bar this many steps long or longer is labelled with its holder
+
+
+def _ink(color: str) -> str:
+    """Black or white, whichever reads better on ``color``."""
+    from matplotlib.colors import to_rgb
+    r, g, b = to_rgb(color)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
 def request_color(index: int) -> str:
@@ -144,7 +153,7 @@ def _legend_handles(history: list[StepRecord], requests: list[str], colors: Mapp
 
 def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: str = "GPU", ax: Any = None,
                         colors: Mapping[str, str] | None = None, legend: bool = True, title: str | None = None,
-                        highlight: str | None = None) -> Any:
+                        highlight: str | None = None, crop: bool = False) -> Any:
     """One pool (``"GPU"`` or ``"CPU"``) of ``num_blocks`` blocks over the steps of ``history``.
 
     A cell (step, block) is coloured by the request holding the block after that step was
@@ -153,7 +162,9 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
     lines: a group swapped out / in. On the GPU, ``▼`` marks a step where admission waited only
     for the watermark, ``✕`` a preemption by recomputation. ``title`` replaces the small
     "GPU pool: N blocks" label. ``highlight``: a request id; every other request is drawn grey,
-    so that one request can be followed through admission, swaps and preemption.
+    so that one request can be followed through admission, swaps and preemption. Every bar at
+    least ``LABEL_MIN_STEPS`` steps long is labelled with its holder. ``crop``: draw block ids only
+    up to the highest one ever held (a large pool that a small run barely touched), and say so.
     """
     history = _checked_history(history)
     device = _device(device)
@@ -170,13 +181,23 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
     colors = _highlighted(colors, requests, highlight)
 
     first, last = history[0].step, history[-1].step
-    ax = new_axes(ax, figsize=(min(15.0, 3.0 + 0.16 * len(history)), 0.8 + 0.09 * max(num_blocks, 8)))
+    shown = num_blocks
+    if crop:
+        shown = max([r.block_id + 1 for r in runs] + [1])
+    ax = new_axes(ax, figsize=(min(15.0, 3.0 + 0.16 * len(history)), 0.9 + ROW_INCHES * max(shown, 8)))
     for run in runs:
         owner = run.owner
         hatch = CROSS_HATCH if len(owner.request_ids) > 1 else SHARED_HATCH if owner.shared else None
+        face = colors[owner.request_ids[0]]
         ax.broken_barh([(run.start - 0.5, run.end - run.start)], (run.block_id - 0.45, 0.9),
-                       facecolors=colors[owner.request_ids[0]], edgecolor="white" if hatch is None else EDGE_COLOR,
+                       facecolors=face, edgecolor="white" if hatch is None else EDGE_COLOR,
                        linewidth=0.0 if hatch is None else 0.3, hatch=hatch, alpha=0.9)
+        # Name the holder on every bar long enough to carry it, so that no colour must be matched
+        # with the legend (a greyed-out request is not named).
+        if run.end - run.start >= LABEL_MIN_STEPS and face != FADED_COLOR:
+            ax.text((run.start + run.end - 1) / 2, run.block_id, "+".join(owner.request_ids), ha="center",
+                    va="center", fontsize=6, color=_ink(face), gid="holder", zorder=2,
+                    bbox=dict(boxstyle="square,pad=0.05", facecolor=face, edgecolor="none") if hatch else None)
 
     marks = event_steps(history)
     for kind, color in ((SWAPPED_OUT, SWAP_OUT_COLOR), (SWAPPED_IN, SWAP_IN_COLOR)):
@@ -184,6 +205,7 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
             ax.axvline(step - 0.5, color=color, lw=1.1, ls="--", alpha=0.9, zorder=3)
     top = num_blocks - 0.5
     if device == "GPU":
+        top = (shown - 0.5) if crop else top
         if marks[WAITED]:
             ax.plot(marks[WAITED], [top + 0.9] * len(marks[WAITED]), ls="none", marker="v", ms=5,
                     color=PAPER_COLOR, clip_on=False, zorder=4)
@@ -192,7 +214,10 @@ def draw_pool_over_time(history: Sequence[StepRecord], num_blocks: int, device: 
                     color=SWAP_OUT_COLOR, clip_on=False, zorder=4)
 
     ax.set_xlim(first - 0.5, last + 0.5)
-    ax.set_ylim(-0.5, max(top, 0.5))
+    ax.set_ylim(-0.5, max(shown - 0.5, 0.5) if crop else max(top, 0.5))
+    if crop and shown < num_blocks:
+        ax.text(1.0, 1.0, f"blocks {shown} to {num_blocks - 1} stayed free (not drawn)", transform=ax.transAxes,
+                ha="right", va="bottom", fontsize=7, color=EDGE_COLOR)
     ax.set_ylabel(f"{device} block id")
     ax.set_xlabel("step")
     if title is None:
@@ -235,7 +260,7 @@ def draw_pools_over_time(history: Sequence[StepRecord], num_gpu_blocks: int, num
     if axes is None:
         import matplotlib.pyplot as plt
 
-        height = 0.09 * (max(num_gpu_blocks, 8) + max(num_cpu_blocks, 4))
+        height = ROW_INCHES * (max(num_gpu_blocks, 8) + max(num_cpu_blocks, 4))
         fig, axes = plt.subplots(2, 1, sharex=True, figsize=(min(15.0, 4.0 + 0.14 * len(history)), 1.6 + height),
                                  gridspec_kw={"height_ratios": [max(num_gpu_blocks, 8), max(num_cpu_blocks, 4)]})
     elif len(axes) != 2:

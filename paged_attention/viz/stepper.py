@@ -1,15 +1,21 @@
 """Steppers: a slider (or a menu) that redraws a picture for each value, in JupyterLab.
 
-A notebook shows a static picture first (what nbval checks, what a static page and a reader
-without widgets see), then a stepper over the same drawing for a reader who wants to move through
-it. ``stepper`` builds the controls from plain values: a ``range`` becomes a slider, a list of
-strings a menu. Without ``ipywidgets`` it says so and returns None: nothing else depends on it.
+A notebook shows a static picture first (what nbval checks), then a stepper over the same drawing
+for a reader who wants to move through it. ``stepper`` builds the controls from plain values: a
+``range`` becomes a slider, a list of strings a menu. Without ``ipywidgets`` it says so and
+returns None: nothing else depends on it.
+
+A widget only shows where a kernel runs it. So the stepper's output also carries its *static
+twin*, the picture at the controls' first values, as a PNG in the same output: JupyterLab shows
+that picture for a notebook nobody has run yet (an untrusted output may not render a widget, and
+PNG is the richest safe type), the static book shows it (it loads no widget script), and a live
+kernel shows the widget.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["stepper", "draw_steps"]
+__all__ = ["stepper", "draw_steps", "static_twin"]
 
 
 def _control(name: str, values: Any) -> Any:
@@ -46,7 +52,42 @@ def stepper(draw: Callable[..., Any], **controls: Any) -> Optional[Any]:
         draw(**values)
         plt.show()
 
-    return widgets.interactive(show, **built)
+    class Stepper(widgets.interactive):
+        """The controls and their output; displayed, the widget plus its static twin (a PNG)."""
+
+        def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+            bundle = dict(super()._repr_mimebundle_(**kwargs) or {})
+            first = {name: control.value for name, control in built.items()}
+            bundle["image/png"] = static_twin(draw, first)
+            bundle["text/plain"] = (f"A stepper over {', '.join(built)}; the picture shows "
+                                    + ", ".join(f"{k}={v!r}" for k, v in first.items())
+                                    + ". Run the cell in JupyterLab to move it.")
+            return bundle
+
+    return Stepper(show, **built)
+
+
+def static_twin(draw: Callable[..., Any], values: dict[str, Any]) -> str:
+    """``draw(**values)`` as a PNG, base64-encoded as a notebook stores it; the figure is closed,
+    so nothing else shows it."""
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
+    draw(**values)
+    new = [n for n in plt.get_fignums() if n not in before]
+    if not new:
+        raise ValueError("draw made no figure: it must draw on a new matplotlib figure")
+    fig = plt.figure(new[-1])
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", bbox_inches="tight", dpi=fig.dpi)
+    finally:
+        for number in new:
+            plt.close(number)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def draw_steps(draw_step: Callable[[int, Any], Any], num_steps: int, ncols: int = 3,

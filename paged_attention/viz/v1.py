@@ -326,13 +326,14 @@ def draw_slot_mapping_arrows(req_indices: Any, positions: Any, slots: Any, block
 
 def draw_dcp_ownership(num_positions: int, dcp_world_size: int, interleave: int, block_size: int,
                        ax: Any = None, title: str | None = None) -> Any:
-    """Positions ``0 .. num_positions-1`` of one request (top), coloured by the DCP rank that
-    stores them, and under them each rank's own blocks (one strip per rank), holding the
-    positions written in their cells.
+    """Positions ``0 .. num_positions-1`` of one request, coloured by the DCP rank that stores
+    them, and under them each rank's own blocks, holding the positions written in their cells.
 
     Every rank's table has the same columns; column ``j`` covers the ``block_size *
-    dcp_world_size`` positions of "virtual block" ``j`` (marked on top), of which each rank
-    stores ``block_size``, packed densely in its own block ``j``, drawn under that span.
+    dcp_world_size`` positions of "virtual block" ``j``, of which each rank stores
+    ``block_size``, packed densely in its own block ``j``. The drawing gives each column a band
+    of its own, one under the other: the column's positions on top, every rank's block ``j``
+    under them (so a wide request stays readable: a band is one virtual block wide).
     """
     n = check_int("num_positions", num_positions, 1)
     world = check_int("dcp_world_size", dcp_world_size, 1)
@@ -341,41 +342,41 @@ def draw_dcp_ownership(num_positions: int, dcp_world_size: int, interleave: int,
     if world > 1 and B % step:
         raise ValueError(f"with DCP the interleave size ({step}) must divide the block size ({B})")
     virtual = B * world
-    cell_h, pitch = 0.8, 1.25
-    ax = new_axes(ax, figsize=(min(16.0, max(6.0, 1.6 + 0.24 * n)), 1.4 + 0.42 * (world + 1) * pitch))
+    width = min(n, virtual)
+    bands = cdiv(n, virtual)
+    cell_h, pitch = 0.8, 1.05
+    band_h = (world + 1) * pitch + 0.75
+    ax = new_axes(ax, figsize=(min(15.0, max(6.0, 2.0 + 0.36 * width)), 0.9 + 0.33 * band_h * bands))
+    font = 7.5 if width <= 40 else 6
 
-    y_top = 0.0
     owners = [dcp_owner_rank(p, world, step) for p in range(n)]
+    for j in range(bands):
+        y_top = -j * band_h
+        first, last = j * virtual, min((j + 1) * virtual, n) - 1
+        ax.text(0, y_top + cell_h + 0.1, f"column {j}: positions {first}–{last}", ha="left", va="bottom",
+                fontsize=8, color=EDGE_COLOR)
+        ax.text(-0.4, y_top + cell_h / 2, "positions", ha="right", va="center", fontsize=8, fontweight="bold")
+        for p in range(first, last + 1):
+            ax.add_patch(Rectangle((p - first, y_top), 1, cell_h, facecolor=seq_color(owners[p]), alpha=0.55,
+                                   edgecolor=EDGE_COLOR, lw=0.4, gid=f"rank{owners[p]}"))
+            ax.text(p - first + 0.5, y_top + cell_h / 2, str(p), ha="center", va="center", fontsize=font,
+                    gid=f"rank{owners[p]}")
+        for r in range(world):
+            y = y_top - (r + 1) * pitch
+            ax.text(-0.4, y + cell_h / 2, f"rank {r}, block {j}", ha="right", va="center", fontsize=8,
+                    color=seq_color(r), fontweight="bold")
+            ax.add_patch(Rectangle((0, y), B, cell_h, facecolor="none", edgecolor=EDGE_COLOR, lw=1.1))
     for p in range(n):
-        ax.add_patch(Rectangle((p, y_top), 1, cell_h, facecolor=seq_color(owners[p]), alpha=0.55,
-                               edgecolor=EDGE_COLOR, lw=0.4, gid=f"rank{owners[p]}"))
-        ax.text(p + 0.5, y_top + cell_h / 2, str(p), ha="center", va="center", fontsize=6 if p < 100 else 5,
-                gid=f"rank{owners[p]}")
-    for j in range(cdiv(n, virtual)):
-        x = j * virtual
-        ax.plot([x, x], [y_top - world * pitch - 0.2, y_top + cell_h + 0.35], color=EDGE_COLOR, lw=0.9, ls=":")
-        ax.text(x + 0.1, y_top + cell_h + 0.1, f"column {j}: positions {x}–{min(x + virtual, n) - 1}", ha="left",
-                va="bottom", fontsize=7, color=EDGE_COLOR)
-    ax.text(-0.4, y_top + cell_h / 2, "positions", ha="right", va="center", fontsize=7.5, fontweight="bold")
+        r = owners[p]
+        local = dcp_local_position(p, world, step)
+        j, x = divmod(local, B)                         # the rank's block j, place x in it
+        y = -j * band_h - (r + 1) * pitch
+        ax.add_patch(Rectangle((x, y), 1, cell_h, facecolor=seq_color(r), alpha=0.55, edgecolor=EDGE_COLOR,
+                               lw=0.4, gid=f"local{r}"))
+        ax.text(x + 0.5, y + cell_h / 2, str(p), ha="center", va="center", fontsize=font, gid=f"local{r}")
 
-    for r in range(world):
-        y = y_top - (r + 1) * pitch
-        ax.text(-0.4, y + cell_h / 2, f"rank {r}", ha="right", va="center", fontsize=7.5, color=seq_color(r),
-                fontweight="bold")
-        for p in range(n):
-            if owners[p] != r:
-                continue
-            local = dcp_local_position(p, world, step)
-            x = (local // B) * virtual + local % B        # block j of the rank, under virtual block j
-            ax.add_patch(Rectangle((x, y), 1, cell_h, facecolor=seq_color(r), alpha=0.55, edgecolor=EDGE_COLOR,
-                                   lw=0.4, gid=f"local{r}"))
-            ax.text(x + 0.5, y + cell_h / 2, str(p), ha="center", va="center", fontsize=6 if p < 100 else 5,
-                    gid=f"local{r}")
-        for j in range(cdiv(n, virtual)):
-            ax.add_patch(Rectangle((j * virtual, y), B, cell_h, facecolor="none", edgecolor=EDGE_COLOR, lw=1.1))
-
-    ax.set_xlim(-2.6, max(n, virtual) + 0.3)
-    ax.set_ylim(y_top - world * pitch - 0.3, y_top + cell_h + 0.9)
+    ax.set_xlim(-4.2, width + 0.3)
+    ax.set_ylim(-(bands - 1) * band_h - world * pitch - 0.3, cell_h + 0.8)
     ax.axis("off")
     ax.set_title(title if title is not None else
                  f"DCP over {world} ranks, interleave {step}, block size {B}: runs of {step} position"
