@@ -26,6 +26,17 @@ from paged_attention.v1.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from paged_attention.v1.core.request import Request, RequestStatus
 
 
+# A request in one of these states is being admitted: the watermark applies to it.
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def _check_counts(**counts: object) -> None:
+    """Each count must be an int >= 0 (a ValueError naming the first that is not)."""
+    for name, value in counts.items():
+        if not is_int(value) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 @dataclass
 class PrefixCacheStats:
     """Prefix-cache hits since the last report: requests looked up, tokens asked for (queries)
@@ -209,13 +220,19 @@ class KVCacheManager:
         None), so they can be reused at once; then the count; then hit blocks, new blocks, and
         the caching of the blocks this step fills (``delay_cache_blocks``: not yet).
         """
-        for name, value in (("num_new_tokens", num_new_tokens),
-                            ("num_new_computed_tokens", num_new_computed_tokens),
-                            ("num_lookahead_tokens", num_lookahead_tokens),
-                            ("num_external_computed_tokens", num_external_computed_tokens),
-                            ("reserved_blocks", reserved_blocks)):
-            if not is_int(value) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        # The scheduler calls this once per scheduled request and step, almost always with two
+        # plain ints and the three rarer counts at 0: that call is recognised in one test.
+        # Anything else has each count checked, and the wrong one named.
+        if not (type(num_new_tokens) is type(num_new_computed_tokens) is int
+                and num_new_tokens >= 0 and num_new_computed_tokens >= 0
+                and type(num_lookahead_tokens) is type(num_external_computed_tokens)
+                is type(reserved_blocks) is int
+                and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0):
+            _check_counts(num_new_tokens=num_new_tokens,
+                          num_new_computed_tokens=num_new_computed_tokens,
+                          num_lookahead_tokens=num_lookahead_tokens,
+                          num_external_computed_tokens=num_external_computed_tokens,
+                          reserved_blocks=reserved_blocks)
         if num_encoder_tokens:
             raise ValueError("encoder (cross-attention) tokens are not modelled")
         if num_new_tokens == 0 and num_external_computed_tokens == 0 \
@@ -229,8 +246,8 @@ class KVCacheManager:
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed + num_external_computed_tokens,
                              self.max_model_len)
-        watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in
-                     (RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0)
+        watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
+                     and request.status in _ADMITTING else 0)
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         coordinator = self.coordinator
         if full_sequence_must_fit:
