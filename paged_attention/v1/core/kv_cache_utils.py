@@ -305,9 +305,10 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         num_tokens = request.num_tokens
         if start + hash_block_size > num_tokens:
             return []   # no block filled: the common case, once per decoded token
-        # The new full blocks' tokens, read once (one slice of the request's view).
+        # The new full blocks' tokens, read once (one slice of the request's view), as a tuple:
+        # hash_block_tokens' tuple() of a slice of it is then the slice itself, not a copy.
         end = num_tokens - (num_tokens - start) % hash_block_size
-        tokens = request.all_token_ids[start:end]
+        tokens = tuple(request.all_token_ids[start:end])
         parent = block_hashes[-1] if block_hashes else None
         # A block's extra keys depend only on whether it is the request's first (the cache salt
         # goes there): looked up once per call, not once per block.
