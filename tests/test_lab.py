@@ -128,6 +128,21 @@ WRONG = [
      "        else:\n"
      "            free -= 1 if (n[i] - 1) % bs == 0 else 0; d.append(i)\n"
      "    return d, p", "newest"),                                                             # preempts the oldest
+    ("07-longest-cache-hit", "def find_longest_cache_hit(hashes, cached, max_length, bs):\n"
+     "    hit = [cached[h][0] for h in hashes[:max_length // bs] if h in cached]\n"
+     "    return hit, len(hit) * bs", "prefix"),                                           # skips a miss
+    ("07-longest-cache-hit", "def find_longest_cache_hit(hashes, cached, max_length, bs):\n"
+     "    hit = []\n"
+     "    for h in hashes:\n"
+     "        if h not in cached: break\n"
+     "        hit.append(cached[h][0])\n"
+     "    return hit, len(hit) * bs", "max_length // block_size"),                          # no bound
+    ("07-longest-cache-hit", "def find_longest_cache_hit(hashes, cached, max_length, bs):\n"
+     "    hit = []\n"
+     "    for h in hashes[:max_length // bs]:\n"
+     "        if h not in cached: break\n"
+     "        hit.append(cached[h][-1])\n"
+     "    return hit, len(hit) * bs", "the first of its list"),                             # the newest block
     ("06-merge-partitions", "def merge_partitions(m, s, o):\n"
      "    return [sum(si * x[d] for si, x in zip(s, o)) / sum(s) for d in range(len(o[0]))]",
      "rescale"),                                                                               # no rescale
@@ -266,6 +281,31 @@ def test_every_lab_has_public_and_hidden_checks_and_two_wrong_answers():
     for lab_id, lab in LABS.items():
         assert any(c.public for c in lab.checks) and any(not c.public for c in lab.checks), lab_id
         assert sum(w[0] == lab_id for w in WRONG) >= 2, lab_id
+
+
+def test_longest_cache_hit_cases_are_vllms_answers_too():
+    """Lab 07's expected answers come from the library's V1 block pool and FullAttentionManager;
+    where vLLM's own core files are present, the same scenarios built with vLLM 0.33's classes give
+    the same cases, inputs and answers alike."""
+    from paged_attention.lab.labs import HIT_SCENARIOS, LONGEST_CACHE_HIT, _hit_cases
+    from paged_attention.v1.core import oracle
+    ok, why = oracle.available()
+    if not ok:
+        pytest.skip(f"vLLM's core not available: {why}")
+    o = oracle.load()
+    for check_, ours in zip(LONGEST_CACHE_HIT.checks, lab_cases(LONGEST_CACHE_HIT.lab_id)):
+        theirs = json.loads(json.dumps(_hit_cases(*HIT_SCENARIOS[check_.name], classes=o)()))
+        assert theirs == list(ours), check_.name
+
+
+def test_longest_cache_hit_from_the_library_scores_zero(tmp_path):
+    """Handing in the library's own find_longest_cache_hit is caught before it runs."""
+    sub = tmp_path / "lib.py"
+    sub.write_text("from paged_attention.v1.core.single_type_kv_cache_manager import FullAttentionManager\n\n\n"
+                   "def find_longest_cache_hit(block_hashes, cached_blocks, max_length, block_size):\n"
+                   "    return FullAttentionManager\n")
+    (row,) = grade([sub], ["07-longest-cache-hit"])
+    assert row.passed == 0 and "uses the library's implementation" in row.first_failure, row
 
 
 # ---- hostile submissions -----------------------------------------------------------------------
@@ -643,7 +683,8 @@ def test_student_edition_holds_no_hidden_check_or_solution(student_edition):
                     assert json.dumps(want) not in text and json.dumps(want)[1:-1] not in text, check_.name
     solutions = SOLUTIONS.read_text()
     for name in ("slot_mapping", "append_token", "free_table", "can_allocate", "compute_slot_mapping",
-                 "merge_partitions", "kv_cache_strides", "triton_slot_mapping", "decode_step"):
+                 "merge_partitions", "kv_cache_strides", "triton_slot_mapping", "decode_step",
+                 "find_longest_cache_hit"):
         start = solutions.index(f"def {name}(")
         body = solutions[start:].split("\n")[1]                   # the first line of the solution's body
         assert json.dumps(body.strip())[1:-1] not in text, name

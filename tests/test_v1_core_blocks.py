@@ -108,6 +108,28 @@ def test_extra_keys_separate_salts_and_adapters():
     assert len({plain.block_hashes[1], salted.block_hashes[1], lora.block_hashes[1]}) == 3
 
 
+@pytest.mark.parametrize("first", [1, 3, 4, 9])
+def test_hashes_do_not_depend_on_how_the_tokens_arrive(first):
+    """A salted LoRA request's hashes, its tokens given at once or in pieces of any size, are
+    the same (the hasher reads the extra keys once per call, the salt's for block 0 only)."""
+    hasher = get_request_block_hasher(4, ku.sha256)
+    extra = dict(cache_salt="s", lora_request=SimpleNamespace(lora_name="x", lora_path="/x"),
+                 block_hasher=hasher)
+    tokens = list(range(100, 123))
+    whole = Request("a", tokens, PARAMS, None, **extra)
+    pieces = Request("b", tokens[:first], PARAMS, None, **extra)
+    rest = tokens[first:]
+    while rest:
+        step, rest = rest[:len(rest) % 5 + 1], rest[len(rest) % 5 + 1:]
+        pieces.append_output_token_ids(step if len(step) > 1 else step[0])
+    assert len(whole.block_hashes) == 5 and pieces.block_hashes == whole.block_hashes
+    parent = ku.NONE_HASH
+    for i, h in enumerate(whole.block_hashes):
+        keys = (("lora", "x", "/x"),) + ((("cache_salt", "s"),) if i == 0 else ())
+        parent = _sha((parent, tuple(tokens[4 * i:4 * i + 4]), keys))
+        assert h == parent
+
+
 def test_pythonhashseed_changes_the_none_hash(monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     ku.init_none_hash(ku.sha256)
@@ -235,6 +257,8 @@ def test_bad_calls_change_nothing():
         pool.get_new_blocks(-1)
     with pytest.raises(ValueError):
         pool.free_blocks([blocks[0], blocks[0]])          # used once, freed twice
+    with pytest.raises(ValueError):
+        pool.free_blocks([blocks[1], pool.blocks[5]])     # the second is free already
     other = BlockPool(6, enable_caching=True, hash_block_size=4).blocks[3]
     with pytest.raises(ValueError):
         pool.free_blocks([blocks[1], other])              # not this pool's

@@ -1,6 +1,7 @@
 """The V1 core's managers, coordinators and ``KVCacheManager`` on their own (no vLLM needed)."""
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,14 +120,21 @@ def test_bad_arguments_are_typed_errors_and_change_nothing():
     m = manager(8, full())
     a, _ = admit(m, "a", list(range(6)))
     before = snapshot(m, ["a"])
+    # Each count that is not a plain int >= 0, including look-alikes of the scheduler's usual
+    # call (a bool, a float 0 among the rarer counts), is refused by name.
     for kwargs in ({"num_new_tokens": -1}, {"num_new_tokens": 1.5},
-                   {"num_new_tokens": 1, "reserved_blocks": -2},
+                   {"num_new_tokens": True}, {"num_new_tokens": 1, "reserved_blocks": -2},
+                   {"num_new_tokens": 1, "num_lookahead_tokens": 0.0},
+                   {"num_new_tokens": 1, "num_external_computed_tokens": False},
+                   {"num_new_tokens": 1, "num_new_computed_tokens": -4},
                    {"num_new_tokens": 0}):
         with pytest.raises(ValueError):
             m.allocate_slots(a, **kwargs)
     with pytest.raises(ValueError):
         m.allocate_slots(a, 1, new_computed_blocks=KVCacheBlocks(([], [])))   # two groups
     assert snapshot(m, ["a"]) == before
+    # A numpy int is a count too (it takes the slower path, checked one by one).
+    assert m.allocate_slots(a, np.int64(1), reserved_blocks=np.int32(0)) is not None
     with pytest.raises(TypeError):
         KVCacheManager("config", 64, 4, 4)
     with pytest.raises(ValueError):

@@ -495,6 +495,141 @@ MERGE_PARTITIONS = Lab(
 )
 
 
+# ---- 07: V1's longest prefix-cache hit (full attention) ------------------------------------------
+# A scenario is built with V1's block pool (prompts computed into blocks and cached, some blocks
+# evicted), then a new prompt looks for its hit. The student gets the pool's cached-block map as
+# plain data: each block hash named by a short string, the ids cached under it, oldest first.
+
+def _v1_classes():
+    """The library's V1 classes a scenario is built with (vLLM's oracle has the same names)."""
+    from types import SimpleNamespace
+
+    from paged_attention.kv_cache.interface import FullAttentionSpec
+    from paged_attention.v1.core import kv_cache_utils as ku
+    from paged_attention.v1.core.block_pool import BlockPool
+    from paged_attention.v1.core.request import Request
+    from paged_attention.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    return SimpleNamespace(BlockPool=BlockPool, Request=Request, FullAttentionManager=FullAttentionManager,
+                           FullAttentionSpec=FullAttentionSpec, SamplingParams=SimpleNamespace,
+                           get_request_block_hasher=ku.get_request_block_hasher,
+                           init_none_hash=ku.init_none_hash, sha256=ku.sha256,
+                           make_block_hash_with_group_id=ku.make_block_hash_with_group_id)
+
+
+def longest_hit_case(classes, block_size, cached_prompts, evict, query, max_length) -> Case:
+    """One case, built with ``classes`` (the library's, or vLLM's from its oracle): every prompt of
+    ``cached_prompts`` takes new blocks from the pool and caches its full ones (the same prompt twice
+    caches two blocks per hash); the blocks ``evict`` leave the cache; then the answer of
+    ``FullAttentionManager.find_longest_cache_hit`` for ``query`` within ``max_length`` tokens."""
+    import torch
+
+    classes.init_none_hash(classes.sha256)
+    hasher = classes.get_request_block_hasher(block_size, classes.sha256)
+    pool = classes.BlockPool(64, enable_caching=True, hash_block_size=block_size)
+
+    def request(i, tokens):
+        return classes.Request(f"r{i}", list(tokens), classes.SamplingParams(max_tokens=1), None,
+                               block_hasher=hasher)
+    held = []
+    for i, tokens in enumerate(cached_prompts):
+        blocks = pool.get_new_blocks(math.ceil(len(tokens) / block_size))
+        pool.cache_full_blocks(request(i, tokens), blocks, 0, len(tokens) // block_size, block_size, 0)
+        held += blocks
+    pool.evict_blocks(set(evict))
+    hashes = request(len(cached_prompts), query).block_hashes
+    spec = classes.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    (hit,), length = classes.FullAttentionManager.find_longest_cache_hit(hashes, max_length, [0], pool, spec,
+                                                                          False, block_size)
+    # The cache keys (hash and group) named h0, h1, ...: the query's blocks first, in order.
+    keys = [classes.make_block_hash_with_group_id(h, 0) for h in hashes]
+    names = {key: f"h{i}" for i, key in enumerate(dict.fromkeys(keys))}
+    cached: dict[str, list[int]] = {}
+    for block in held:                     # in the order they were cached: the first is the one found
+        if block.block_hash is not None:
+            name = names.setdefault(block.block_hash, f"h{len(names)}")
+            cached.setdefault(name, []).append(block.block_id)
+    for key, name in names.items():
+        found = pool.cached_block_hash_to_block.get_one_block(key)
+        assert (found.block_id if found else None) == (cached[name][0] if name in cached else None), name
+    return [[names[k] for k in keys], cached, max_length, block_size], [[b.block_id for b in hit], length]
+
+
+def _hit_cases(*scenarios, classes=None):
+    """The cases of ``scenarios`` (built on first use), with the library's classes by default."""
+    return lambda: [longest_hit_case(classes or _v1_classes(), *sc) for sc in scenarios]
+
+
+def _random_hit_scenarios(seed=8, n=30):
+    """Prompts cut from two shared prefixes (the query's one more often, so that hits happen), one
+    sometimes computed twice, a few blocks evicted (a miss in the middle), and a query whose
+    max_length is mostly what the manager asks (all but its last token), sometimes shorter."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        block_size = rng.choice([2, 4, 8])
+        prefixes = [[rng.randrange(30) for _ in range(5 * block_size)] for _ in range(2)]
+        prompts = [prefixes[rng.random() < 0.3][:rng.randint(1, 5 * block_size)] + [rng.randrange(30, 60)]
+                   for _ in range(rng.randint(1, 4))]
+        prompts += rng.sample(prompts, rng.randint(0, 1))                  # a prompt computed twice
+        first_ids, num_blocks = [], 0                    # ids are handed out 1, 2, ... in order
+        for p in prompts:
+            first_ids.append(num_blocks + 1)
+            num_blocks += math.ceil(len(p) / block_size)
+        evict = rng.sample(range(1, num_blocks + 1), min(num_blocks, rng.randint(0, 2)))
+        j = rng.randrange(len(prompts))
+        if len(prompts[j]) > 2 * block_size:             # a block in the middle of a prompt
+            evict.append(first_ids[j] + rng.randint(1, len(prompts[j]) // block_size - 1))
+        query = prefixes[0][:rng.randint(block_size, 5 * block_size)] + [rng.randrange(60, 90)]
+        max_length = len(query) - 1 if rng.random() < 0.7 else rng.randint(0, len(query))
+        out.append((block_size, prompts, evict, query, max_length))
+    return out
+
+
+# Lab 07's scenarios, by check: (block_size, cached_prompts, evict, query, max_length) each.
+HIT_SCENARIOS = {
+    "the first blocks are cached": [(4, [list(range(12))], [], list(range(8)) + [50] * 8, 15)],
+    "a miss in the middle": [(4, [list(range(16))], [2], list(range(16)) + [99], 16)],
+    "a prompt cached whole": [(4, [list(range(16))], [], list(range(16)), 15)],
+    "a hash cached under two blocks": [(4, [list(range(9)), list(range(9))], [], list(range(9)), 8),
+                                       (2, [list(range(6)), list(range(4)), list(range(6))], [1],
+                                        list(range(7)), 6)],
+    "nothing to hit": [(4, [], [], list(range(8)), 7), (4, [list(range(8))], [], list(range(8)), 3),
+                       (8, [list(range(20, 40))], [], list(range(16)), 15)],
+    "random prefix caches": _random_hit_scenarios(),
+}
+
+
+LONGEST_CACHE_HIT = Lab(
+    "07-longest-cache-hit", "07_v1_kv_cache_manager", "find_longest_cache_hit",
+    "def find_longest_cache_hit(block_hashes, cached_blocks, max_length, block_size):",
+    "A new prompt's full blocks have the hashes `block_hashes` (in order; each hash covers its block and "
+    "every token before it, so it is a string naming the whole prefix). `cached_blocks` is the block pool's "
+    "prefix cache: for each hash that is cached, the list of block ids cached under it, oldest first. As "
+    "V1's `FullAttentionManager.find_longest_cache_hit` does for one full-attention group, return "
+    "`(block_ids, num_tokens)`: the cached blocks the prompt can reuse, in order, and the tokens they hold "
+    "(`len(block_ids) * block_size`). The rules: the hit is a prefix: walk from the first hash and stop at "
+    "the first one that is not cached, even if later ones are; it holds at most `max_length` tokens, so at "
+    "most `max_length // block_size` blocks (a block that would reach past `max_length` is not part of "
+    "it); where several blocks are cached under one hash, take the first of its list.",
+    (Check("the first blocks are cached", _hit_cases(*HIT_SCENARIOS["the first blocks are cached"]),
+           "walk the hashes from the first and take the first block cached under each, until one is not "
+           "cached"),
+     Check("a miss in the middle", _hit_cases(*HIT_SCENARIOS["a miss in the middle"]),
+           "the hit is a prefix: after the first hash that is not cached, stop, even if later ones are "
+           "(a hash names its whole prefix)"),
+     Check("a prompt cached whole", _hit_cases(*HIT_SCENARIOS["a prompt cached whole"]),
+           "at most max_length // block_size blocks: a block that reaches past max_length is not a hit"),
+     Check("a hash cached under two blocks", _hit_cases(*HIT_SCENARIOS["a hash cached under two blocks"]),
+           "several blocks cached under one hash: take the first of its list (the oldest)", public=False),
+     Check("nothing to hit", _hit_cases(*HIT_SCENARIOS["nothing to hit"]),
+           "no cached hash, or max_length below one block: the answer is ([], 0)", public=False),
+     Check("random prefix caches", _hit_cases(*HIT_SCENARIOS["random prefix caches"]),
+           "a prefix of cached hashes, the first block of each, at most max_length // block_size blocks",
+           public=False)),
+    describe=lambda a: f"block_hashes {a[0]}, cached_blocks {a[1]}, max_length {a[2]}, block_size {a[3]}",
+)
+
+
 # ---- 08: one decode step's bookkeeping -------------------------------------------------------
 
 def _ref_decode_step(num_tokens, block_size, num_free_blocks):
@@ -578,4 +713,4 @@ DECODE_STEP = Lab(
 
 LABS: dict[str, Lab] = {lab.lab_id: lab for lab in (SLOT_MAPPING, COPY_ON_WRITE, FREE, CAN_ALLOCATE,
                                                      COMPUTE_SLOT_MAPPING, TRITON_SLOT_MAPPING, KV_CACHE_STRIDES,
-                                                     MERGE_PARTITIONS, DECODE_STEP)}
+                                                     MERGE_PARTITIONS, LONGEST_CACHE_HIT, DECODE_STEP)}

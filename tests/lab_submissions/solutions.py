@@ -96,3 +96,12 @@ def decode_step(num_tokens, block_size, num_free_blocks):
                 free -= 1
             decoded.append(i)
     return decoded, preempted
+
+
+def find_longest_cache_hit(block_hashes, cached_blocks, max_length, block_size):
+    num_blocks = 0
+    while (num_blocks < min(len(block_hashes), max_length // block_size)
+           and block_hashes[num_blocks] in cached_blocks):
+        num_blocks += 1                                  # a prefix: stop at the first miss
+    hit = [cached_blocks[h][0] for h in block_hashes[:num_blocks]]      # the oldest of each
+    return hit, num_blocks * block_size

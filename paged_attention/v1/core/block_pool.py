@@ -254,11 +254,10 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """One more user for each block (a prefix hit). A block nobody used was in the free
         queue, and leaves it."""
+        self._check_own(blocks)
         for block in blocks:
-            if not block.is_null:
-                self._check_own(block)
-                if block.ref_cnt == 0 and block.prev_free_block is None:
-                    raise ValueError(f"block {block.block_id} has no user and is not free")
+            if not block.is_null and block.ref_cnt == 0 and block.prev_free_block is None:
+                raise ValueError(f"block {block.block_id} has no user and is not free")
         for block in blocks:
             if block.is_null:
                 continue
@@ -277,28 +276,34 @@ class BlockPool:
         ``ValueError`` and nothing is freed.
         """
         blocks = [b for b in ordered_blocks if not b.is_null]
-        for block in blocks:
-            self._check_own(block)
-        counts = Counter(b.block_id for b in blocks)
-        over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
-        if over:
-            raise ValueError(f"blocks {sorted(over)} would be freed more often than they are "
-                             "used")
+        self._check_own(blocks)
+        # A block freed more often than it is used: only possible if one repeats or one is
+        # unused already; only then are the blocks counted (a request's blocks are distinct).
+        if len({b.block_id for b in blocks}) != len(blocks) or any(b.ref_cnt < 1 for b in blocks):
+            counts = Counter(b.block_id for b in blocks)
+            over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
+            if over:
+                raise ValueError(f"blocks {sorted(over)} would be freed more often than they "
+                                 "are used")
         to_front, to_back = [], []
+        caching = self.enable_caching
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None or not self.enable_caching:
+                if block.block_hash is None or not caching:
                     to_front.append(block)
                 else:
                     to_back.append(block)
         self.free_block_queue.prepend_n(to_front)
         self.free_block_queue.append_n(to_back)
 
-    def _check_own(self, block: KVCacheBlock) -> None:
-        if not (0 <= block.block_id < self.num_gpu_blocks) or self.blocks[block.block_id] \
-                is not block:
-            raise ValueError(f"block {block.block_id} does not belong to this pool")
+    def _check_own(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Every block but null ones must be this pool's own object."""
+        pool, num_gpu_blocks = self.blocks, self.num_gpu_blocks
+        for block in blocks:
+            i = block.block_id
+            if (not 0 <= i < num_gpu_blocks or pool[i] is not block) and not block.is_null:
+                raise ValueError(f"block {i} does not belong to this pool")
 
     # ----------------------------------------------------------------------------------------
     # Counts

@@ -78,11 +78,14 @@ class KVCacheCoordinator:
                                    apply_admission_cap: bool = False,
                                    prefill_end: int = 0) -> int:
         """Blocks the pool must give, summed over the groups."""
-        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
-                                                total_computed_tokens, num_local_computed_tokens,
-                                                num_tokens_main_model, apply_admission_cap,
-                                                prefill_end)
-                   for i, m in enumerate(self.single_type_managers))
+        # Plain loops, not sum() over a generator, in this method and the next: they run for
+        # every scheduled request in every step, mostly over one group.
+        num_blocks = 0
+        for m, blocks in zip(self.single_type_managers, new_computed_blocks, strict=True):
+            num_blocks += m.get_num_blocks_to_allocate(
+                request_id, num_tokens, blocks, total_computed_tokens, num_local_computed_tokens,
+                num_tokens_main_model, apply_admission_cap, prefill_end)
+        return num_blocks
 
     def allocate_new_computed_blocks(self, request_id: str,
                                      new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
@@ -104,8 +107,10 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                             num_encoder_tokens: int = 0) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
-                     for m in self.single_type_managers)
+        new_blocks = []
+        for m in self.single_type_managers:
+            new_blocks.append(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model))
+        return tuple(new_blocks)
 
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)

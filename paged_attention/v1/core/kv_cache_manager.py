@@ -26,6 +26,17 @@ from paged_attention.v1.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from paged_attention.v1.core.request import Request, RequestStatus
 
 
+# A request in one of these states is being admitted: the watermark applies to it.
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def _check_counts(**counts: object) -> None:
+    """Each count must be an int >= 0 (a ValueError naming the first that is not)."""
+    for name, value in counts.items():
+        if not is_int(value) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 @dataclass
 class PrefixCacheStats:
     """Prefix-cache hits since the last report: requests looked up, tokens asked for (queries)
@@ -209,47 +220,56 @@ class KVCacheManager:
         None), so they can be reused at once; then the count; then hit blocks, new blocks, and
         the caching of the blocks this step fills (``delay_cache_blocks``: not yet).
         """
-        for name, value in (("num_new_tokens", num_new_tokens),
-                            ("num_new_computed_tokens", num_new_computed_tokens),
-                            ("num_lookahead_tokens", num_lookahead_tokens),
-                            ("num_external_computed_tokens", num_external_computed_tokens),
-                            ("reserved_blocks", reserved_blocks)):
-            if not is_int(value) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        # The scheduler calls this once per scheduled request and step, almost always with two
+        # plain ints and the three rarer counts at 0: that call is recognised in one test.
+        # Anything else has each count checked, and the wrong one named.
+        if not (type(num_new_tokens) is type(num_new_computed_tokens) is int
+                and num_new_tokens >= 0 and num_new_computed_tokens >= 0
+                and type(num_lookahead_tokens) is type(num_external_computed_tokens)
+                is type(reserved_blocks) is int
+                and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0):
+            _check_counts(num_new_tokens=num_new_tokens,
+                          num_new_computed_tokens=num_new_computed_tokens,
+                          num_lookahead_tokens=num_lookahead_tokens,
+                          num_external_computed_tokens=num_external_computed_tokens,
+                          reserved_blocks=reserved_blocks)
         if num_encoder_tokens:
             raise ValueError("encoder (cross-attention) tokens are not modelled")
         if num_new_tokens == 0 and num_external_computed_tokens == 0 \
                 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
                              "tokens to adopt")
-        hit_blocks = (new_computed_blocks.blocks if new_computed_blocks is not None
-                      else self.empty_kv_cache_blocks.blocks)
-        if len(hit_blocks) != self.num_kv_cache_groups:
-            raise ValueError(f"new_computed_blocks must have {self.num_kv_cache_groups} groups")
+        if new_computed_blocks is None:
+            hit_blocks = self.empty_kv_cache_blocks.blocks
+        else:
+            hit_blocks = new_computed_blocks.blocks
+            if len(hit_blocks) != self.num_kv_cache_groups:
+                raise ValueError(f"new_computed_blocks must have {self.num_kv_cache_groups} "
+                                 "groups")
+        request_id, num_tokens = request.request_id, request.num_tokens
+        max_model_len = self.max_model_len
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local_computed + num_external_computed_tokens,
-                             self.max_model_len)
-        watermark = (self.watermark_blocks if has_scheduled_reqs and request.status in
-                     (RequestStatus.WAITING, RequestStatus.PREEMPTED) else 0)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        total_computed = min(num_local_computed + num_external_computed_tokens, max_model_len)
+        watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
+                     and request.status in _ADMITTING else 0)
+        prefill_end = max(request.num_prompt_tokens, num_tokens - 1)
         coordinator = self.coordinator
         if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
+            full = min(num_tokens, max_model_len)
             needed = coordinator.get_num_blocks_to_allocate(
-                request.request_id, full, hit_blocks, num_encoder_tokens, total_computed,
+                request_id, full, hit_blocks, num_encoder_tokens, total_computed,
                 num_local_computed, full, apply_admission_cap=True, prefill_end=prefill_end)
             if needed + watermark > self.block_pool.get_num_free_blocks():
                 return None
         num_tokens_main_model = total_computed + num_new_tokens
-        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens,
-                                   self.max_model_len)
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, max_model_len)
         # Before counting: blocks behind a window are free to reuse (only those of tokens
         # whose step has come back; steps in flight still read them).
         coordinator.remove_skipped_blocks(
-            request.request_id, max(0, total_computed - request.num_in_flight_tokens),
+            request_id, max(0, total_computed - request.num_in_flight_tokens),
             num_prompt_tokens=request.num_prompt_tokens)
         needed = coordinator.get_num_blocks_to_allocate(
-            request.request_id, num_tokens_need_slot, hit_blocks, num_encoder_tokens,
+            request_id, num_tokens_need_slot, hit_blocks, num_encoder_tokens,
             num_local_computed + num_external_computed_tokens, num_local_computed,
             num_tokens_main_model, prefill_end=prefill_end)
         if needed + watermark > self.block_pool.get_num_free_blocks() - reserved_blocks:
@@ -257,14 +277,13 @@ class KVCacheManager:
         if hit_blocks is not self.empty_kv_cache_blocks.blocks \
                 or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(
-                request.request_id, hit_blocks, num_local_computed, num_external_computed_tokens,
+                request_id, hit_blocks, num_local_computed, num_external_computed_tokens,
                 skip_zeroing_group_ids)
-        new_blocks = coordinator.allocate_new_blocks(request.request_id, num_tokens_need_slot,
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot,
                                                      num_tokens_main_model)
         if not delay_cache_blocks:
             # Only tokens that are final (not speculative drafts) are cached.
-            coordinator.cache_blocks(request, min(total_computed + num_new_tokens,
-                                                  request.num_tokens))
+            coordinator.cache_blocks(request, min(total_computed + num_new_tokens, num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
     def free(self, request: Request) -> None:

@@ -300,16 +300,27 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         raise ValueError("num_hash_lookahead_tokens (speculative decoding) is not modelled")
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
-        start = len(request.block_hashes) * hash_block_size
-        tokens = request.all_token_ids
-        parent = request.block_hashes[-1] if request.block_hashes else None
+        block_hashes = request.block_hashes
+        start = len(block_hashes) * hash_block_size
+        num_tokens = request.num_tokens
+        if start + hash_block_size > num_tokens:
+            return []   # no block filled: the common case, once per decoded token
+        # The new full blocks' tokens, read once (one slice of the request's view), as a tuple:
+        # hash_block_tokens' tuple() of a slice of it is then the slice itself, not a copy.
+        end = num_tokens - (num_tokens - start) % hash_block_size
+        tokens = tuple(request.all_token_ids[start:end])
+        parent = block_hashes[-1] if block_hashes else None
+        # A block's extra keys depend only on whether it is the request's first (the cache salt
+        # goes there): looked up once per call, not once per block.
+        later_keys, _ = generate_block_hash_extra_keys(request, hash_block_size,
+                                                       2 * hash_block_size)
         new_hashes: list[BlockHash] = []
-        while start + hash_block_size <= request.num_tokens:
-            end = start + hash_block_size
-            extra_keys, _ = generate_block_hash_extra_keys(request, start, end)
-            parent = hash_block_tokens(caching_hash_fn, parent, tokens[start:end], extra_keys)
+        for i in range(0, end - start, hash_block_size):
+            keys = (later_keys if start + i else
+                    generate_block_hash_extra_keys(request, 0, hash_block_size)[0])
+            parent = hash_block_tokens(caching_hash_fn, parent, tokens[i:i + hash_block_size],
+                                       keys)
             new_hashes.append(parent)
-            start = end
         return new_hashes
 
     return request_block_hasher

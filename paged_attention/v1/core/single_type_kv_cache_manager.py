@@ -80,13 +80,13 @@ class SingleTypeKVCacheManager:
         """Blocks the pool must give for ``request_id`` to hold ``num_tokens`` tokens: the new
         ones, plus the hit blocks that are free right now (touching them takes them out of
         the free queue, so they count against it too)."""
-        num_required = cdiv(num_tokens, self.block_size)
+        num_required = -(num_tokens // -self.block_size)    # cdiv, inline: called every step
         if apply_admission_cap and self.max_admission_blocks_per_request is not None:
             num_required = min(num_required, self.max_admission_blocks_per_request)
         num_held = len(self.req_to_blocks.get(request_id, ()))
         if request_id in self.num_cached_block:
             # Running already: no new hits, only growth.
-            return max(num_required - num_held, 0)
+            return num_required - num_held if num_required > num_held else 0
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
         num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_held),
                       0)
@@ -136,9 +136,9 @@ class SingleTypeKVCacheManager:
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
         """Grow ``request_id``'s list to hold ``num_tokens`` tokens; the blocks added."""
         req_blocks = self.req_to_blocks[request_id]
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_new = -(num_tokens // -self.block_size) - len(req_blocks)   # cdiv, inline
         if num_new <= 0:
-            return []
+            return []   # the common case: a decode step that stays inside its last block
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
         return new_blocks
