@@ -19,7 +19,7 @@ import torch
 from paged_attention import runtime
 from paged_attention.engine import LLM, RequestOutput, SamplingParams
 from paged_attention.kernels import KernelUnavailable
-from paged_attention.legacy.records import ADMITTED, RECOMPUTED, SWAPPED_IN, SWAPPED_OUT
+from paged_attention.legacy.records import RECOMPUTED, SWAPPED_IN, SWAPPED_OUT
 from paged_attention.model import LlamaConfig, LlamaForCausalLM, load_gguf, random_weights
 from paged_attention.model.dense import dense_generate
 
@@ -335,18 +335,18 @@ def test_a_failing_step_frees_its_blocks(model, monkeypatch):
     want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
     llm.engine.block_manager.reset_prefix_cache()
     calls = {"n": 0}
-    forward = model.forward
+    forward = model.hidden_states
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("the GPU fell over")
         return forward(*args, **kwargs)
-    monkeypatch.setattr(model, "forward", flaky)
+    monkeypatch.setattr(model, "hidden_states", flaky)
     with pytest.raises(RuntimeError, match="fell over"):
         llm.generate(ps, GREEDY, use_tqdm=False)
     assert_idle(llm)
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(model, "hidden_states", forward)
     out = llm.generate(ps, GREEDY, use_tqdm=False)
     # The failed step's blocks were marked computed before its KV was written: the prefix cache
     # was emptied, so nothing half-written is offered now.
