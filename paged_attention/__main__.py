@@ -25,6 +25,7 @@ def generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from paged_attention.engine import LLM, SamplingParams
+    from paged_attention.kernels import KernelUnavailable
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -32,7 +33,9 @@ def generate(argv: list[str]) -> int:
         llm = LLM(attention=args.attention, device=args.device, num_cpu_blocks=0, max_num_seqs=1)
         loaded = time.perf_counter()
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KernelUnavailable, FileNotFoundError) as e:
+        # Bad arguments, an attention this machine cannot run (CUDA without a GPU), or the
+        # model's package not installed: each message says what to do, a traceback would not.
         print(f"error: {e}", file=sys.stderr)
         return 2
     done = time.perf_counter()

@@ -29,13 +29,32 @@ from paged_attention.engine.sched_output import (CachedRequestData, EngineCoreOu
                                                  NewRequestData, SchedulerOutput)
 from paged_attention.kernels import reference
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
-from paged_attention.legacy.records import ABORTED, IGNORED, StepRecord
+from paged_attention.legacy.records import ABORTED, IGNORED, WAITED, StepRecord
 from paged_attention.legacy.scheduler import FcfsScheduler
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import cdiv
 
 # How the scheduler's end of a sequence reads as a finish reason (vLLM's names).
 _END_REASONS = {IGNORED: "length", ABORTED: "abort"}
+
+
+class SchedulerStalled(ValueError, RuntimeError):
+    """A step scheduled nothing, moved nothing and ended nothing while requests were waiting:
+    the next step would be the same, and so on forever. The engine drops every request (its
+    blocks freed) and raises this instead of looping."""
+
+
+def _check_progress(record: StepRecord, scheduler: FcfsScheduler) -> None:
+    """Raise ``SchedulerStalled`` for a step that leaves the scheduler exactly as it found it
+    (nothing scheduled, no block moved, no event but "waited") while requests remain."""
+    if (record.scheduled_seq_groups or record.blocks_to_swap_in or record.blocks_to_swap_out
+            or record.blocks_to_copy or any(e.kind != WAITED for e in record.events)
+            or not scheduler.has_unfinished_seqs()):
+        return
+    why = "; ".join(f"{e.request_id}: {e.detail}" for e in record.events) or "no reason given"
+    raise SchedulerStalled(f"step {record.step} scheduled nothing while {len(record.waiting)} requests wait and "
+                           f"{len(record.swapped)} are swapped out, and the next would do the same ({why}); "
+                           f"every request was dropped")
 
 
 @dataclass
@@ -80,6 +99,17 @@ class LegacyCore:
                              f"{self.block_size}, but the pool can never give one request more than {usable} "
                              f"({mgr.num_total_gpu_blocks} blocks, {mgr.watermark_blocks} kept as the watermark)")
 
+    def check_fits(self, longest: int, why: str) -> None:
+        """ValueError unless a request holding ``longest`` tokens in the cache fits the pool alone,
+        with the watermark to spare."""
+        mgr = self.block_manager
+        need = cdiv(longest, self.block_size) + mgr.watermark_blocks
+        if need > mgr.num_total_gpu_blocks:
+            raise ValueError(f"the request may hold {longest} tokens in the cache {why}: running to its end alone "
+                             f"takes {need} blocks of {self.block_size} (the watermark of {mgr.watermark_blocks} "
+                             f"included), but the pool has {mgr.num_total_gpu_blocks}; lower max_tokens or give "
+                             f"the pool more blocks")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stop_ids: frozenset[int]) -> None:
         seq = Sequence(self._seq_ids, list(prompt_token_ids), self.block_size)
@@ -93,6 +123,7 @@ class LegacyCore:
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         record = self._record = self.scheduler.schedule()
+        _check_progress(record, self.scheduler)
         self._move_blocks(record)
         so = SchedulerOutput([], CachedRequestData(), {}, 0)
         cached = so.scheduled_cached_reqs
@@ -198,4 +229,4 @@ class LegacyCore:
         return dropped
 
 
-__all__ = ["LegacyCore"]
+__all__ = ["LegacyCore", "SchedulerStalled"]

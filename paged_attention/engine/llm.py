@@ -12,13 +12,14 @@ runs; the outputs come back in input order.
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from paged_attention import runtime
-from paged_attention.engine.llm_engine import LLMEngine
+from paged_attention.engine.llm_engine import DEFAULT_CORE, LLMEngine
 from paged_attention.engine.outputs import RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.model import LlamaForCausalLM, Tokenizer, kv_cache_bytes_per_block, load_gguf
@@ -26,7 +27,6 @@ from paged_attention.model.llama import resolve_device, resolve_dtype
 from paged_attention.utils import cdiv, check_int
 
 PromptType = Union[str, list[int], dict]
-DEFAULT_CORE = "v0"
 _GiB = 1 << 30
 
 
@@ -46,7 +46,11 @@ class LLM:
     ``kv_cache_memory`` bytes hold; by default 512 MiB on a CPU, 80% of the GPU's free memory
     on a GPU; never more than ``max_num_seqs`` requests of ``max_model_len`` tokens need).
     ``num_cpu_blocks`` is V0's swap pool (default: a quarter of that; none for V1).
-    ``block_tables``: which of the project's table classes turns
+    ``kv_cache_memory`` is a bound: a budget that holds no block, or ``num_gpu_blocks`` beyond it,
+    is refused, as are pools larger than the memory they would live in. A step runs at most
+    ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens (for V0 at least
+    ``max_model_len``, as vLLM V0 asks without chunked prefill; V1 cuts long prefills into
+    chunks). ``block_tables``: which of the project's table classes turns
     the block lists into kernel inputs: ``"auto"`` (v2 on a GPU, v1 on a CPU), ``"v2"``,
     ``"v2-vllm"`` or ``"v1"``.
     ``cuda_graphs``: replay decode steps from CUDA graphs on a GPU (with an attention whose
@@ -123,18 +127,35 @@ class LLM:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least max_num_seqs="
                              f"{max_num_seqs}: every running request decodes one token a step")
+        # vLLM V0's rule without chunked prefill: a prefill runs whole in one step, and a request
+        # preempted by recomputation is prefilled again with everything it generated, up to
+        # max_model_len tokens; a smaller step could never take it back. (V1 chunks prefills.)
+        if core == "v0" and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
+                             f"{max_model_len}: a request recomputed after a preemption is prefilled again whole, "
+                             f"up to max_model_len tokens, in one step; raise max_num_batched_tokens or lower "
+                             f"max_model_len")
+        # A block longer than the model's whole context holds nothing a shorter one would not.
+        if block_size > config.max_position_embeddings:
+            raise ValueError(f"block_size={block_size} exceeds the model's context "
+                             f"({config.max_position_embeddings} positions)")
 
         bytes_per_block = kv_cache_bytes_per_block(config, block_size, self.model.dtype)
-        if num_gpu_blocks is None:
-            if kv_cache_memory is None:
-                kv_cache_memory = self._default_kv_memory()
+        if kv_cache_memory is not None:
             kv_cache_memory = check_int("kv_cache_memory", kv_cache_memory, 1)
+        if num_gpu_blocks is None:
+            budget = self._default_kv_memory() if kv_cache_memory is None else kv_cache_memory
+            if budget < bytes_per_block:
+                raise ValueError(f"kv_cache_memory={budget} bytes holds no block of {block_size} tokens "
+                                 f"({bytes_per_block} bytes, every layer's keys and values); give it more "
+                                 f"memory or use a smaller block_size")
             needed = max_num_seqs * cdiv(max_model_len, block_size)
-            num_gpu_blocks = max(1, min(kv_cache_memory // bytes_per_block, needed))
+            num_gpu_blocks = min(budget // bytes_per_block, needed)
         num_gpu_blocks = check_int("num_gpu_blocks", num_gpu_blocks, 1)
         if num_cpu_blocks is None:
             num_cpu_blocks = num_gpu_blocks // 4 if core == "v0" else 0
         num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
+        _check_pools_fit(self.model.device, num_gpu_blocks, num_cpu_blocks, bytes_per_block, kv_cache_memory)
         self.bytes_per_block = bytes_per_block
 
         eos = tokenizer.stop_token_ids if tokenizer is not None else frozenset()
@@ -166,8 +187,9 @@ class LLM:
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
-        for token_ids, _ in encoded:              # every prompt checked before any is queued
-            self.engine.check_prompt(token_ids)
+        # Every request checked before any is queued (its params too: a field may have been
+        # changed since they were made); each keeps the checked copy.
+        params = [self.engine.check_request(token_ids, p) for (token_ids, _), p in zip(encoded, params)]
         return self._run(encoded, params, use_tqdm)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
@@ -255,6 +277,38 @@ class LLM:
             engine.abort_all("generate() was interrupted")
             raise
         return [outputs[i] for i in ids]
+
+
+def _memory_bytes(device: torch.device) -> Optional[int]:
+    """The memory of ``device``: a GPU's, or the host's physical memory (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):        # no sysconf (Windows)
+        return None
+
+
+def _check_pools_fit(device: torch.device, num_gpu_blocks: int, num_cpu_blocks: int, bytes_per_block: int,
+                     kv_cache_memory: Optional[int]) -> None:
+    """Refuse, before allocating, pools larger than ``kv_cache_memory`` (when given, it bounds
+    the GPU pool) or than the memory they would live in (the swap pool is host memory; on a
+    CPU machine both pools are)."""
+    gpu_bytes, cpu_bytes = num_gpu_blocks * bytes_per_block, num_cpu_blocks * bytes_per_block
+    if kv_cache_memory is not None and gpu_bytes > kv_cache_memory:
+        raise ValueError(f"num_gpu_blocks={num_gpu_blocks} blocks of {bytes_per_block} bytes need {gpu_bytes} "
+                         f"bytes, more than kv_cache_memory={kv_cache_memory}")
+    needs = {"the host": cpu_bytes}
+    if device.type == "cuda":
+        needs[str(device)] = gpu_bytes
+    else:
+        needs["the host"] += gpu_bytes
+    for where, need in needs.items():
+        have = _memory_bytes(device if where != "the host" else torch.device("cpu"))
+        if have is not None and need > have:
+            raise ValueError(f"the KV pools need {need} bytes on {where}, which has {have} "
+                             f"({num_gpu_blocks} GPU and {num_cpu_blocks} CPU blocks of {bytes_per_block} bytes): "
+                             f"use fewer blocks or a smaller block_size")
 
 
 def _progress(total: int):

@@ -23,12 +23,14 @@ Every step's timings go to ``step_stats``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from paged_attention.engine.legacy_core import SchedulerStalled  # noqa: F401  (raised by a step)
 from paged_attention.engine.model_runner import ModelRunner, RunnerOutput
 from paged_attention.engine.outputs import CompletionOutput, RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
@@ -36,6 +38,7 @@ from paged_attention.engine.sched_output import EngineCoreOutput, SchedulerOutpu
 from paged_attention.model import LlamaForCausalLM, allocate_kv_caches
 
 CORES = ("v1", "v0")
+DEFAULT_CORE = "v0"
 
 
 @dataclass
@@ -86,7 +89,7 @@ class LLMEngine:
 
     def __init__(self, model: LlamaForCausalLM, *, eos_token_ids: frozenset[int], block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, core: str = "v1",
+                 max_num_batched_tokens: int, max_model_len: int, core: str = DEFAULT_CORE,
                  async_scheduling: Optional[bool] = None, preemption_mode: Optional[str] = None,
                  block_tables: str = "auto", cuda_graphs: bool = True, watermark: float = 0.01,
                  record_block_owners: bool = True, record_gpu_time: bool = False) -> None:
@@ -161,14 +164,33 @@ class LLMEngine:
                              f"(max_num_batched_tokens={self.max_num_batched_tokens})")
         self.core.check_prompt(n)
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Typed errors for a request the engine could not run to its end; nothing changes.
+        Returns the checked copy of ``params`` that the request keeps.
+
+        Besides the prompt, the params are checked again (a field may have been changed since
+        they were made), and the request must be able to run to its end alone in the pool, at
+        its longest (the tokens cached when its last one is sampled), which a preemption by
+        recomputation may ask of it. vLLM admits a request that outgrows the pool and, once it
+        holds every block, preempts it again and again (V1) or drops it cut short (V0); here it
+        is refused before anything runs, so that every request accepted runs to its end.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)           # a copy, checked again by its __post_init__
+        self.check_prompt(prompt_token_ids)
+        n = len(prompt_token_ids)
+        longest = min(n + params.max_tokens, self.max_model_len) - 1
+        self.core.check_fits(longest, f"({n} prompt tokens, max_tokens={params.max_tokens}, "
+                                      f"max_model_len={self.max_model_len})")
+        return params
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None) -> None:
         """Queue a request (checked first: a refused request leaves the engine as it was)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
-        self.check_prompt(prompt_token_ids)
+        params = self.check_request(prompt_token_ids, params)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids

@@ -1,9 +1,10 @@
 """From a step's logits to one token per request.
 
 Greedy requests take the argmax. The others are drawn from ``softmax(logits / temperature)``,
-after top-p filtering, each with its own generator when it has a seed. The tokens stay on the
-device (``sample_tensor``): the model runner feeds them to the next step there, and copies them
-to the host behind the step's work.
+after top-p filtering, with their own generator when they have a seed and from torch's global
+generator when they do not (vLLM's rule). The tokens stay on the device (``sample_tensor``): the
+model runner feeds them to the next step there, and copies them to the host behind the step's
+work.
 """
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(descending=True)
-    # A token is kept if the tokens more likely than it add up to less than top_p.
+    # A token is kept if the tokens more likely than it add up to less than top_p. The most
+    # likely one always is: a top_p too small for the row's dtype (1e-46 is 0 in float32) would
+    # otherwise keep nothing, and there would be nothing to draw.
     keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+    keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return probs * keep
 
@@ -31,7 +35,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
     """One token id per row of ``logits`` ``[num_reqs, vocab]``, row ``i`` by ``params[i]``, as
     an int64 tensor on the logits' device (nothing is read back: the model runner keeps the
     tokens on the device for the next step). ``generators[i]`` None draws from torch's global
-    generator."""
+    generator of the logits' device."""
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         if p.greedy:

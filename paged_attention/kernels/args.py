@@ -34,6 +34,8 @@ FP8_KV_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The kernels hold a position in a sequence in 32 bits.
+MAX_SEQ_LEN = 2**31 - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,6 +53,11 @@ def tensor(
     """Check that ``t`` is a tensor with the given rank, one of ``dtypes``, on ``device``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
+    # A kernel addresses memory through strides: a sparse tensor has none, a meta tensor no data.
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor (a shape without data): a kernel needs real memory")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -102,12 +109,76 @@ def unit_last_stride(**tensors: torch.Tensor) -> None:
 
 
 def no_broadcast_dims(name: str, t: torch.Tensor) -> None:
-    """A tensor that is written must not have a dimension of stride 0 (an ``expand``): two of
-    its elements would be one memory location, and which write wins would be up to the kernel."""
+    """A tensor that is written must not have two elements at one memory location: a dimension
+    of stride 0 (an ``expand``), or strides that make dimensions overlap (an ``as_strided`` view
+    whose blocks are closer than a block's size). Which write would win is up to the kernel."""
     for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
         if size > 1 and stride == 0:
             raise ValueError(f"{name} is written, so its elements must not share memory; dimension {dim} "
                              f"has size {size} and stride 0 (an expanded view): pass a real tensor")
+    if not _dims_apart(t.shape, t.stride()):
+        raise ValueError(f"{name} is written, so its elements must not share memory; shape {list(t.shape)} "
+                         f"with strides {list(t.stride())} puts two of them at one place (an overlapping "
+                         f"view): pass a real tensor")
+
+
+def _dims_apart(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether every index of a view reaches its own element. Taken from the smallest stride up,
+    each dimension must step past everything the smaller ones reach: true of every contiguous
+    tensor and of its slices, transposes and permutations. (A few exotic views that interleave
+    without overlapping fail it too; they are refused, which is safe.)"""
+    if any(size == 0 for size in sizes):
+        return True
+    reach = 0                                   # the largest offset the smaller dimensions reach
+    for stride, size in sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[first, last + 1)`` a view reaches (empty for an empty tensor)."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def no_shared_memory(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor] | None = None) -> None:
+    """Refuse ``written`` tensors that share memory with one another or with a ``read`` one
+    (the same tensor passed twice, or overlapping views of one buffer): one write would land on
+    another, or on what is still to be read.
+
+    Tensors whose bytes lie apart pass at once (sorted by address, each is compared only with
+    those whose bytes it meets). Two views of one buffer with the same shape, strides and dtype
+    (a key and a value cache cut from one allocation, block by block) pass if stacking them as
+    one more dimension overlaps nothing. Other overlapping views are refused."""
+    items = [(*byte_range(t), name, t, name in written)
+             for name, t in {**(read or {}), **written}.items() if t.numel()]
+    items.sort(key=lambda item: item[0])
+    reaching: list[tuple] = []                  # those whose bytes reach past the current start
+    for item in items:
+        start = item[0]
+        reaching = [o for o in reaching if o[1] > start]
+        for other in reaching:
+            if item[4] or other[4]:
+                _apart(other[2], other[3], item[2], item[3])
+        reaching.append(item)
+
+
+def _apart(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """``a`` and ``b``, whose bytes meet, do not share an element (or a ``ValueError``)."""
+    delta, rest = divmod(abs(b.data_ptr() - a.data_ptr()), max(a.element_size(), 1))
+    if (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and rest == 0
+            and _dims_apart((*a.shape, 2), (*a.stride(), delta))):
+        return
+    same = delta == 0 and rest == 0 and a.shape == b.shape and a.stride() == b.stride()
+    how = "are the same memory" if same else "overlap in memory"
+    raise ValueError(f"{a_name} and {b_name} {how}, and one of them is written: pass tensors that do not "
+                     f"share memory (shapes {list(a.shape)} and {list(b.shape)}, strides {list(a.stride())} "
+                     f"and {list(b.stride())}, {abs(b.data_ptr() - a.data_ptr())} bytes apart)")
 
 
 def softmax_scale(name: str, value: object) -> float:
@@ -124,6 +195,14 @@ def softmax_scale(name: str, value: object) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def flag(name: str, value: object) -> bool:
+    """A safety switch such as ``check_ids``: ``True`` or ``False`` only. ``None`` or ``0``
+    would read as False and turn a check off without anyone asking for it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
 
 
@@ -145,6 +224,8 @@ def seq_len_bound(value: object, longest: int) -> int:
     v2 its partitions) by it, so tokens past it would be dropped or worse.
     """
     value = positive_int("max_seq_len", value)
+    if value > MAX_SEQ_LEN:
+        raise ValueError(f"max_seq_len must be <= {MAX_SEQ_LEN} (the kernels count tokens in 32 bits), got {value}")
     if longest > value:
         raise ValueError(f"max_seq_len ({value}) must be >= the longest of seq_lens ({longest})")
     return value
@@ -232,6 +313,7 @@ def block_tables_and_lens(
     (vLLM leaves stale ids there). With ``check_ids=False`` the value checks, which copy the
     tensors to the host, are skipped: for hot loops whose tables are known to be good.
     """
+    flag("check_ids", check_ids)
     tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64))
     tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64))
     if block_tables.size(0) != num_seqs:
@@ -295,6 +377,7 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
 
     Strides are not checked here: the reference reads any view; each kernel checks what it needs.
     """
+    flag("check_ids", check_ids)
     tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("key_cache", key_cache, ndim=4)
     tensor("value_cache", value_cache, ndim=4)
@@ -331,8 +414,7 @@ def check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_len
 def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
                        k_scale, v_scale, num_slots: int, per_head_scale: bool, check_slots: bool = True) -> None:
     """What both cache writes check once their caches' shapes are known."""
-    if not isinstance(check_slots, bool):
-        raise TypeError(f"check_slots must be a bool, got {check_slots!r}")
+    flag("check_slots", check_slots)
     tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES)
     shape("value", value, tuple(key.shape))
@@ -347,6 +429,7 @@ def _check_cache_write(key, value, key_cache, value_cache, slot_mapping, kv_cach
     same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     no_broadcast_dims("key_cache", key_cache)
     no_broadcast_dims("value_cache", value_cache)
+    no_shared_memory({"key_cache": key_cache, "value_cache": value_cache}, {"key": key, "value": value})
     num_heads = key.size(1)
     quant_scale("k_scale", k_scale, num_heads if per_head_scale else None)
     quant_scale("v_scale", v_scale, num_heads if per_head_scale else None)
@@ -430,6 +513,10 @@ def check_copy_blocks(key_caches, value_caches, block_mapping) -> bool:
         no_broadcast_dims(f"value_caches[{i}]", v)
         if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
             raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
+    # One cache passed twice would be copied twice: with chained pairs (1 -> 2, 2 -> 3) the
+    # second pass would copy what the first had just written.
+    no_shared_memory({**{f"key_caches[{i}]": k for i, k in enumerate(key_caches)},
+                      **{f"value_caches[{i}]": v for i, v in enumerate(value_caches)}})
     check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
     return True
 
@@ -469,6 +556,7 @@ def check_v0_attention(out, query, key_cache, value_cache, num_kv_heads, block_t
     host (and so cannot run inside a CUDA-graph capture); ``max_seq_len`` is then the caller's
     promise of an upper bound on ``seq_lens``.
     """
+    flag("check_ids", check_ids)
     tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     tensor("out", out, ndim=3, dtypes=(query.dtype,))
     shape("out", out, tuple(query.shape))

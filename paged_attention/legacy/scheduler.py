@@ -13,7 +13,10 @@ keeps a *running* list and a *swapped* list, and each ``schedule()``:
    preempted nothing, as in V0: memory was just too short);
 3. **admits** waiting groups in arrival order while ``can_allocate`` is OK, stopping at the first
    LATER (first come, first served: nobody overtakes) and dropping a NEVER; not while a group is
-   still swapped out (it came first) nor in a step that preempted one;
+   still swapped out (it came first) nor in a step that preempted one. A group that not even an
+   empty batch could take (more tokens to prefill than ``max_num_batched_tokens``: a group
+   recomputed after it grew) is dropped too, as V0 ignored a prompt over its limit: waiting
+   for it would stop the queue behind it for good;
 4. under prefix caching, marks the scheduled tokens' blocks as computed (each group's chunk).
 
 This is V0's order (``_schedule_default``: running, then swapped, then waiting). Unlike V0, which ran
@@ -163,6 +166,12 @@ class FcfsScheduler:
                 rid = self.swapped[0]
                 group = self.groups[rid]
                 if not self._batch_has_room(load, group.num_seqs(SequenceStatus.SWAPPED), 1):
+                    if load == [0, 0]:
+                        # Not even an empty batch takes it: waiting would change nothing, forever.
+                        self.swapped.pop(0)
+                        self._abort(group, record, f"{group.num_seqs(SequenceStatus.SWAPPED)} samples "
+                                                   f"exceed any step's batch ({self._batch_limits()})")
+                        continue
                     break
                 status = mgr.can_swap_in(group, num_lookahead_slots=0)
                 if status == AllocStatus.OK:
@@ -199,6 +208,14 @@ class FcfsScheduler:
                     break
                 seqs = group.get_seqs(SequenceStatus.WAITING)
                 if not self._batch_has_room(load, len(seqs), seqs[0].get_len()):
+                    if load == [0, 0]:
+                        # Not even an empty batch takes its prefill (a group preempted by
+                        # recomputation may have outgrown max_num_batched_tokens): ignored, as
+                        # V0 ignored a prompt over its limit, rather than blocking the queue.
+                        self.waiting.pop(0)
+                        self._ignore(group, record, f"{len(seqs)} x {seqs[0].get_len()} tokens to prefill "
+                                                    f"exceed any step's batch ({self._batch_limits()})")
+                        continue
                     record.events.append(Event(self.now, WAITED, rid, "the step's batch is full "
                                                f"({self._batch_limits()})"))
                     break
@@ -330,16 +347,17 @@ class FcfsScheduler:
             detail += f"; {cached} tokens found in the prefix cache"
         record.events.append(Event(self.now, ADMITTED, group.request_id, detail, num_blocks=taken))
 
-    def _ignore(self, group: SequenceGroup, record: StepRecord) -> None:
-        """``can_allocate`` said NEVER: the prompt does not fit even an empty GPU."""
+    def _ignore(self, group: SequenceGroup, record: StepRecord, why: Optional[str] = None) -> None:
+        """A waiting group that can never run: ``can_allocate`` said NEVER (the prompt does not
+        fit even an empty GPU), or ``why``."""
         mgr = self.block_manager
         need = self._num_required_blocks(group)
         for seq in group.get_seqs(SequenceStatus.WAITING):
             seq.status = SequenceStatus.FINISHED_IGNORED
         self.done_ids.append(group.request_id)
-        record.events.append(Event(self.now, IGNORED, group.request_id,
-                                   f"needs {_blocks(need)}; the GPU has {mgr.num_total_gpu_blocks} "
-                                   f"(watermark {mgr.watermark_blocks})", num_blocks=need))
+        if why is None:
+            why = f"needs {_blocks(need)}; the GPU has {mgr.num_total_gpu_blocks} (watermark {mgr.watermark_blocks})"
+        record.events.append(Event(self.now, IGNORED, group.request_id, why, num_blocks=need))
 
     def _swap_in(self, group: SequenceGroup, record: StepRecord) -> None:
         """Bring a swapped group back to the GPU; it decodes this step."""

@@ -68,6 +68,11 @@ class CacheWritePlan:
         check_triton_dtype(key)
         args.unit_last_stride(key=key, value=value)
         self.signature = tuple(map(tensor_signature, (key, value, key_cache, value_cache, slot_mapping)))
+        # The bytes a cache and an input span (their shapes and strides are the plan's), and the
+        # gaps between two caches whose spans meet but were found to share no element.
+        self._cache_bytes = max(args.byte_range(key_cache)[1] - key_cache.data_ptr(), 1)
+        self._input_bytes = max(args.byte_range(t)[1] - t.data_ptr() for t in (key, value))
+        self._gaps_apart: set[int] = set()
         num_blocks, block_size, num_heads, head_size = key_cache.shape
         self.num_tokens = num_tokens = slot_mapping.size(0)
         tokens_per_program = 1 if key.is_cuda else 16   # the interpreter pays per program: batch tokens
@@ -91,7 +96,25 @@ class CacheWritePlan:
         tensors = (key, value, key_cache, value_cache, slot_mapping)
         check_planned("CacheWritePlan", ("key", "value", "key_cache", "value_cache", "slot_mapping"), tensors,
                       self.signature)
+        self._check_apart(key, value, key_cache, value_cache)
         self._launch(*tensors)
+
+    def _check_apart(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor) -> None:
+        """The caches of a run must share memory with nothing else passed (the same tensor as
+        both would have the values overwrite the keys): the plan's signatures fix shapes and
+        strides, not where the tensors are. Where every span lies apart, the usual case, this
+        costs four pointer reads."""
+        kc, vc, k, v = key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr()
+        cb, ib = self._cache_bytes, self._input_bytes
+        inputs_apart = not (kc - ib < k < kc + cb or vc - ib < k < vc + cb
+                            or kc - ib < v < kc + cb or vc - ib < v < vc + cb)
+        gap = vc - kc
+        if inputs_apart and (not -cb < gap < cb or gap in self._gaps_apart):
+            return
+        args.no_shared_memory({"key_cache": key_cache, "value_cache": value_cache}, {"key": key, "value": value})
+        if inputs_apart:
+            self._gaps_apart.add(gap)         # same strides, same gap: apart again next time
 
     def _launch(self, *tensors: torch.Tensor) -> None:
         if self.num_tokens:
@@ -125,9 +148,9 @@ def reshape_and_cache_flash(
     calls are also checked only once per combination of shapes, strides and dtypes (a
     ``CacheWritePlan``, kept and reused), and later ones only launch.
     """
-    if check_slots is not False:
+    if args.flag("check_slots", check_slots):
         CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-                       check_slots=check_slots)._launch(key, value, key_cache, value_cache, slot_mapping)
+                       check_slots=True)._launch(key, value, key_cache, value_cache, slot_mapping)
         return
     plan = cached_plan(
         _PLANS, _MAX_PLANS,
@@ -135,6 +158,7 @@ def reshape_and_cache_flash(
                  kv_cache_dtype),
         lambda: CacheWritePlan(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
                                check_slots=False))
+    plan._check_apart(key, value, key_cache, value_cache)     # the plan was found by shapes, not by memory
     plan._launch(key, value, key_cache, value_cache, slot_mapping)
 
 

@@ -46,15 +46,16 @@ def _spec(value: Any) -> Any:
 def tensor_signature(t: torch.Tensor | None) -> tuple | None:
     """What a planned launch depends on in a tensor: its shape, strides, dtype, device and whether
     its data is 16-byte aligned (what Triton specialises on), not its contents. Two tensors with
-    the same signature can take each other's place in a plan."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+    the same signature can take each other's place in a plan. (The device itself, not its
+    index: a meta tensor's index is the CPU's.)"""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0)
 
 
 def _describe(sig: tuple | None) -> str:
     if sig is None:
         return "None"
     shape, strides, dtype, device, aligned = sig
-    return (f"shape {tuple(shape)}, strides {strides}, {dtype}, {'cpu' if device < 0 else f'cuda:{device}'}, "
+    return (f"shape {tuple(shape)}, strides {strides}, {dtype}, {device}, "
             f"{'' if aligned else 'not '}16-byte aligned")
 
 
@@ -67,11 +68,15 @@ def check_planned(plan: str, names: Sequence[str], tensors: tuple, planned: tupl
     try:
         if tuple(map(tensor_signature, tensors)) == planned:
             return
-    except AttributeError:              # not a tensor: said below
+    except (AttributeError, RuntimeError):  # not a tensor, or one without strides or data: said below
         pass
     for name, t, sig in zip(names, tensors, planned):
-        if not isinstance(t, torch.Tensor) and (t is not None or name not in optional):
+        if t is None and name in optional:
+            pass
+        elif not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        elif t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
         if tensor_signature(t) != sig:
             raise ValueError(f"{name} does not match the plan: planned {_describe(sig)}, got "
                              f"{_describe(tensor_signature(t))}; make a new {plan} for it")
@@ -85,7 +90,7 @@ def cached_plan(plans: dict, limit: int, key: Callable[[], tuple], make: Callabl
     try:
         k = key()
         plan = plans.get(k)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):   # RuntimeError: a tensor without strides
         return make()
     if plan is None:
         plan = make()
