@@ -34,7 +34,7 @@ def built(tmp_path_factory):
 
 def test_every_notebook_has_a_page(built):
     out, pages = built
-    assert len(NOTEBOOKS) == 8
+    assert len(NOTEBOOKS) == 9
     assert [p.notebook.name for p in pages] == [nb.name for nb in NOTEBOOKS]
     for nb in NOTEBOOKS:
         page = out / (nb.stem + ".html")

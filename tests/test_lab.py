@@ -158,7 +158,7 @@ def test_public_check_in_a_notebook(capsys):
 
 def test_student_edition_then_grade_as_a_teacher_would(tmp_path):
     written = build(tmp_path / "student")
-    assert len(written) == 8
+    assert len(written) == 9
     for path in written:
         nb = nbformat.read(path, as_version=4)
         assert not any("### Solutions" in c.source for c in nb.cells if c.cell_type == "markdown")

@@ -1,0 +1,36 @@
+"""vLLM V1's asynchronous scheduler (``vllm/v1/core/sched/async_scheduler.py``).
+
+With async scheduling the engine schedules step N+1 while the model still runs step N, so that
+the GPU never waits for the CPU's bookkeeping. Step N+1 must then be planned without knowing the
+token step N samples. Each request that samples in a step gets a *placeholder* for that token
+(``num_output_placeholders``), counted as if it were known: the next step schedules the request
+for one more token, and the worker fills the real token id in on the GPU. When the output
+arrives, ``update_from_output`` turns a placeholder into the token (and, where a stop ends the
+request early, the placeholders into nothing).
+
+Everything else is the ``Scheduler``'s: the scheduler takes the placeholders into account where
+they matter (how many tokens a request is behind; not scheduling a request whose last token is
+already in flight; output arriving for a request preempted since).
+"""
+from __future__ import annotations
+
+from paged_attention.v1.core.sched.output import SchedulerOutput
+from paged_attention.v1.core.sched.scheduler import Scheduler
+
+__all__ = ["AsyncScheduler"]
+
+
+class AsyncScheduler(Scheduler):
+    """The ``Scheduler`` planning one step ahead of the model (same arguments)."""
+
+    # Two steps in flight: the one the model runs, and the one just scheduled.
+    max_concurrent_batches = 2
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        super()._update_after_schedule(scheduler_output)
+        requests = self.requests
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests[req_id]
+            if not request.is_prefill_chunk:
+                # This step samples its next token: hold a place for it.
+                request.num_output_placeholders += 1

@@ -1,0 +1,610 @@
+"""vLLM V1's scheduler (``vllm/v1/core/sched/scheduler.py``): who runs this step, and how much.
+
+V1 has no prefill phase and no decode phase. Every request has ``num_tokens`` (prompt plus the
+tokens generated so far) and ``num_computed_tokens`` (tokens whose keys and values are in the
+KV cache); each step the scheduler hands out a budget of ``max_num_batched_tokens`` tokens so that
+requests catch up. A decode is a request one token behind; a prefill is one many tokens behind,
+and when the budget cannot hold all of it, it gets a *chunk* now and the rest in later steps
+(chunked prefill). ``schedule()``:
+
+1. serves the **running** requests first, in order. Each gets what it is behind by (at most
+   ``long_prefill_token_threshold`` when set, at most what is left of the budget) and the KV-cache
+   manager is asked for slots (``allocate_slots``). When there are no free blocks left, the
+   *last* running request is **preempted by recomputation**: its blocks are freed, its computed
+   tokens forgotten, and it goes back to the *front* of the waiting queue (to be prefilled again
+   later, prompt and generated tokens together, which prefix caching often makes cheap). This
+   repeats until the allocation succeeds or the request preempted is the one asking;
+2. then, only if nobody was preempted this step, **admits waiting** requests in order while the
+   budget lasts and fewer than ``max_num_seqs`` run: the prefix cache is asked for the longest
+   cached prefix (``get_computed_blocks``; those tokens need no computing), and the rest (or a
+   chunk of it) is allocated. The first request that does not fit stops admission: first come,
+   first served, nobody overtakes.
+
+It returns a ``SchedulerOutput``; the model runs it; ``update_from_output`` appends the sampled
+tokens, stops requests (end token, a stop token, ``max_tokens``, the context length) and frees
+their blocks.
+
+Configuration. vLLM reads these from its config objects; here they are plain arguments:
+
+- ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_token_threshold``,
+  ``enable_chunked_prefill``, ``policy``, ``scheduler_reserve_full_isl``, ``watermark``: the
+  ``SchedulerConfig`` fields of the same names (defaults 128, 2048, 0, True, "fcfs", True, 0.0);
+- ``max_model_len``: ``ModelConfig.max_model_len`` (the model's context length);
+- ``enable_caching``: ``CacheConfig.enable_prefix_caching`` (True);
+- ``block_size``, ``hash_block_size``, ``include_finished_set``: the arguments of the same names
+  of vLLM's ``Scheduler`` (its engine passes ``CacheConfig.block_size``, 16, for one group);
+- ``use_v2_model_runner``: ``VllmConfig.use_v2_model_runner`` (how resumed requests are sent).
+
+What vLLM's scheduler also does and this one leaves out: speculative decoding, KV connectors
+(disaggregated prefill, offloading), encoder inputs (multimodal), structured output, LoRA,
+pipeline parallelism, streaming input sessions, pausing, and statistics.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from paged_attention.utils import check_int
+from paged_attention.v1.core.kv_cache_coordinator import default_block_sizes
+from paged_attention.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from paged_attention.v1.core.request import Request, RequestStatus
+from paged_attention.v1.core.sched.messages import (
+    EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
+)
+from paged_attention.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from paged_attention.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from paged_attention.v1.core.sched.utils import check_stop, remove_all
+
+__all__ = ["Scheduler"]
+
+
+def _priority_order(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+@dataclass
+class StepPlan:
+    """What one ``schedule()`` call has decided so far: the budget left, who runs (how many
+    tokens, which new blocks) and who was preempted."""
+
+    token_budget: int
+    long_prefill_threshold: int
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+
+    def schedule(self, request: Request, num_new_tokens: int, new_blocks: KVCacheBlocks) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.req_to_new_blocks[request.request_id] = new_blocks
+        self.token_budget -= num_new_tokens
+
+    def unschedule(self, request: Request) -> None:
+        self.running_reqs.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        del self.req_to_new_blocks[request.request_id]
+
+
+class Scheduler:
+    """One token budget per step, shared by the running requests (first) and newly admitted ones.
+
+    ``Scheduler(kv_cache_config, max_num_seqs=128, max_num_batched_tokens=2048,
+    max_model_len=8192, block_size=None, enable_caching=True, long_prefill_token_threshold=0,
+    enable_chunked_prefill=True, policy="fcfs", scheduler_reserve_full_isl=True, watermark=0.0,
+    use_v2_model_runner=False, include_finished_set=False, hash_block_size=None)``. It builds
+    its own ``KVCacheManager`` over ``kv_cache_config``. ``block_size`` (the scheduler's block)
+    and ``hash_block_size`` (the granularity of prefix-cache hashes) default as vLLM's engine
+    picks them: one KV-cache group, its block size; several, the least common multiple and the
+    greatest common divisor of theirs.
+    """
+
+    # Steps that may be in flight at once: one here; two for the AsyncScheduler (the next step
+    # is scheduled while the model still runs this one).
+    max_concurrent_batches: int = 1
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 8192,
+        block_size: Optional[int] = None,
+        enable_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        scheduler_reserve_full_isl: bool = True,
+        watermark: float = 0.0,
+        use_v2_model_runner: bool = False,
+        include_finished_set: bool = False,
+        hash_block_size: Optional[int] = None,
+    ) -> None:
+        self.max_num_running_reqs = check_int("max_num_seqs", max_num_seqs, 1)
+        self.max_num_scheduled_tokens = check_int(
+            "max_num_batched_tokens", max_num_batched_tokens, 1)
+        self.max_model_len = check_int("max_model_len", max_model_len, 2)
+        self.long_prefill_token_threshold = check_int(
+            "long_prefill_token_threshold", long_prefill_token_threshold, 0)
+        for name, flag in (("enable_caching", enable_caching),
+                           ("enable_chunked_prefill", enable_chunked_prefill),
+                           ("scheduler_reserve_full_isl", scheduler_reserve_full_isl),
+                           ("use_v2_model_runner", use_v2_model_runner),
+                           ("include_finished_set", include_finished_set)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({max_num_seqs})")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len}), or longer prompts could never run")
+        if long_prefill_token_threshold > max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({long_prefill_token_threshold}) "
+                             f"cannot exceed max_model_len ({max_model_len})")
+        try:
+            self.policy = SchedulingPolicy(policy)
+        except ValueError:
+            raise ValueError(
+                f"unknown scheduling policy {policy!r}: 'fcfs' or 'priority'") from None
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)):
+            raise TypeError(f"watermark must be a float, got {watermark!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if not groups:
+            raise TypeError("kv_cache_config must be a KVCacheConfig with at least one group")
+        default_block_size, default_hash_block_size = default_block_sizes(kv_cache_config)
+        self.block_size = check_int(
+            "block_size", default_block_size if block_size is None else block_size, 1)
+        self.hash_block_size = check_int(
+            "hash_block_size",
+            default_hash_block_size if hash_block_size is None else hash_block_size, 1)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
+        self.use_v2_model_runner = use_v2_model_runner
+        self.kv_cache_config = kv_cache_config
+
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config=kv_cache_config,
+            max_model_len=self.max_model_len,
+            max_in_flight_tokens=self.max_concurrent_batches * self.max_num_scheduled_tokens,
+            enable_caching=enable_caching,
+            scheduler_block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            watermark=watermark,
+        )
+
+        # Every request not finished yet, by id; the waiting queue and the running list.
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Requests finished or preempted since the last step: the next SchedulerOutput says so.
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        # Finished ids per client, handed out with the next outputs (when include_finished_set).
+        self.finished_req_ids_dict: Optional[dict[int, set[str]]] = (
+            defaultdict(set) if include_finished_set else None)
+        # Requests scheduled in the previous step: the worker's copy of their tokens is current.
+        self.prev_step_scheduled_req_ids: set[str] = set()
+
+    # ---- Requests in and out --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (it waits until ``schedule`` admits it).
+
+        Refused (ValueError, nothing queued): a request id already here, an empty prompt, or a
+        prompt that leaves no room in ``max_model_len`` for one generated token (vLLM refuses
+        these before they reach its scheduler).
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request takes a Request, got {type(request).__name__}")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not new "
+                             f"(status {request.status.name})")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
+                             f"max_model_len={self.max_model_len} leaves no room to generate")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: Union[str, Iterable[str], None],
+                        finished_status: RequestStatus) -> list[Request]:
+        """End requests from outside (a client went away: ``FINISHED_ABORTED``), wherever they
+        are, and free their blocks. ``None`` means all. Unknown or already finished ids are
+        ignored; the requests actually finished are returned."""
+        if not isinstance(finished_status, RequestStatus) or not finished_status.is_finished(
+                finished_status):
+            raise ValueError(
+                f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        elif request_ids is None:
+            request_ids = list(self.requests)
+        else:
+            request_ids = set(request_ids)
+
+        running, waiting, valid = set(), [], []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            valid.append(request)
+            if request.status == RequestStatus.RUNNING:
+                running.add(request)
+            else:
+                waiting.append(request)
+        if running:
+            self.running = remove_all(self.running, running)
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in valid:
+            request.status = finished_status
+            self._free_request(request)
+        return valid
+
+    def _free_request(self, request: Request) -> None:
+        """A finished request leaves: the worker is told next step, its blocks go back."""
+        req_id = request.request_id
+        self.finished_req_ids.add(req_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(req_id)
+        self.kv_cache_manager.free(request)
+        del self.requests[req_id]
+
+    # ---- One step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: the running requests first, then (if nobody was preempted) the
+        waiting ones, within one token budget. See the module's description."""
+        self.kv_cache_manager.new_step_starts()
+        # The cap on a long prefill keeps it from starving the others; alone, it may take all.
+        num_running, num_waiting = self.get_request_counts()
+        step = StepPlan(self.max_num_scheduled_tokens,
+                        self.long_prefill_token_threshold if num_running + num_waiting > 1 else 0)
+        self._schedule_running(step)
+        if not step.preempted_reqs:
+            # Memory was short enough to preempt: admitting anyone now would only thrash.
+            self._schedule_waiting(step)
+        return self._make_scheduler_output(step)
+
+    def _schedule_running(self, step: StepPlan) -> None:
+        """Give each running request, in order, the tokens it is behind by, preempting from the
+        back of the list when blocks run out."""
+        manager = self.kv_cache_manager
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and step.token_budget > 0:
+            request = running[req_index]
+            if (request.num_output_placeholders > 0
+                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                # Async scheduling: the step in flight already produces its last token.
+                req_index += 1
+                continue
+
+            num_new_tokens = (request.num_tokens + request.num_output_placeholders
+                              - request.num_computed_tokens)
+            if 0 < step.long_prefill_threshold < num_new_tokens:
+                num_new_tokens = step.long_prefill_threshold
+            num_new_tokens = min(num_new_tokens, step.token_budget,
+                                 # Leave room in the context for the token this step samples.
+                                 self.max_model_len - request.num_computed_tokens - 1)
+            if num_new_tokens <= 0:
+                # Nothing to run now (under async scheduling, its tokens are all in flight).
+                # Skip it rather than stop: the requests behind it may still run.
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                # Out of blocks: preempt someone, and try again with what that freed.
+                victim = self._preemption_victim()
+                victim_index = (len(running) - 1 if victim is running[-1]
+                                else running.index(victim))
+                del running[victim_index]
+                if victim_index < req_index:
+                    req_index -= 1
+                    if victim.request_id in step.num_scheduled_tokens:
+                        step.unschedule(victim)     # given tokens this step: take them back
+                self._preempt_request(victim)
+                step.preempted_reqs.append(victim)
+                if victim is request:
+                    break               # it preempted itself: nothing left to free
+
+            if new_blocks is None:
+                if (self.policy == SchedulingPolicy.PRIORITY
+                        and request.status == RequestStatus.PREEMPTED):
+                    # It was the lowest priority and is gone; req_index already names the next,
+                    # which may fit in what it freed.
+                    continue
+                break
+
+            step.running_reqs.append(request)
+            step.schedule(request, num_new_tokens, new_blocks)
+            req_index += 1
+
+    def _preemption_victim(self) -> Request:
+        """Whom to preempt when blocks run out. First come, first served: the last running
+        request (the latest admitted). Priority: the largest ``(priority, arrival_time)``,
+        the first such in the running list on a tie."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=_priority_order)
+        return self.running[-1]
+
+    def _schedule_waiting(self, step: StepPlan) -> None:
+        """Admit waiting requests in order while the budget and ``max_num_seqs`` allow, each
+        with its longest cached prefix; the first one that does not fit stops admission."""
+        manager = self.kv_cache_manager
+        skipped: deque[Request] = deque()
+        while step.token_budget > 0 and self.waiting:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+            if request.num_stale_output_tokens and not request.drop_stale_output:
+                # Async scheduling: output of its preempted run is still in flight and would
+                # land on positions a new run resamples. Wait for it, out of the others' way.
+                skipped.appendleft(self.waiting.pop_request())
+                continue
+
+            # The longest cached prefix needs no computing (never the whole prompt: the last
+            # token must run to give logits).
+            new_computed_blocks, num_computed_tokens, request.shared_prefix_boundary = (
+                manager.get_computed_blocks(request))
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if 0 < step.long_prefill_threshold < num_new_tokens:
+                num_new_tokens = step.long_prefill_threshold
+            if not self.enable_chunked_prefill and num_new_tokens > step.token_budget:
+                break
+            num_new_tokens = min(num_new_tokens, step.token_budget)
+
+            new_blocks = manager.allocate_slots(
+                request, num_new_tokens,
+                num_new_computed_tokens=num_computed_tokens,
+                new_computed_blocks=new_computed_blocks,
+                full_sequence_must_fit=self.scheduler_reserve_full_isl,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if new_blocks is None:
+                break                   # does not fit: it and everyone behind it wait
+
+            self.waiting.pop_request()
+            self.running.append(request)
+            if request.status == RequestStatus.WAITING:
+                step.new_reqs.append(request)
+            else:
+                step.resumed_reqs.append(request)
+            # A new request's worker entry lists all its blocks, cache hits included.
+            step.schedule(request, num_new_tokens, manager.get_blocks(request.request_id))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+
+    def _make_scheduler_output(self, step: StepPlan) -> SchedulerOutput:
+        num_scheduled_tokens = step.num_scheduled_tokens
+        req_to_new_blocks = step.req_to_new_blocks
+        total_num_scheduled_tokens = self.max_num_scheduled_tokens - step.token_budget
+        if len(self.running) > self.max_num_running_reqs:
+            raise RuntimeError("more running requests than max_num_seqs (a scheduler bug)")
+
+        new_reqs, resumed_reqs = step.new_reqs, step.resumed_reqs
+        if self.use_v2_model_runner:
+            # V2's runner takes a resumed request as a new one, with all its tokens to prefill.
+            new_reqs, resumed_reqs = new_reqs + resumed_reqs, []
+            new_reqs_data = [
+                NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids(),
+                                            list(req.all_token_ids))
+                for req in new_reqs]
+        else:
+            new_reqs_data = [
+                NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
+                for req in new_reqs]
+        cached_reqs_data = self._make_cached_request_data(
+            step.running_reqs, resumed_reqs, req_to_new_blocks)
+        if not self.use_v2_model_runner:
+            self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+        )
+        self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
+        """Preemption by recomputation: free the blocks of ``request`` (already taken out of
+        the running list), forget what it computed, put it first in the waiting queue.
+
+        Its generated tokens are kept: when it comes back it prefills prompt and output
+        together. Under async scheduling, output of its last step may still arrive; it is marked
+        stale (delivered, but it does not move the request's counters).
+        """
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Count the scheduled tokens as computed now, before the model runs them, so that the
+        next step can be scheduled at once (the output only adds the sampled tokens)."""
+        requests = self.requests
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests[req_id]
+            request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders)
+        # New sets: the output just built keeps the old ones.
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+
+    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
+                                  req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+        req_ids: list[str] = []
+        resumed_req_ids: set[str] = set()
+        all_token_ids: dict[str, list[int]] = {}
+        new_block_ids: list[Optional[tuple[list[int], ...]]] = []
+        num_computed_tokens: list[int] = []
+        num_output_tokens: list[int] = []
+        num_running = len(running_reqs)
+        for idx, req in enumerate(itertools.chain(running_reqs, resumed_reqs)):
+            req_id = req.request_id
+            req_ids.append(req_id)
+            if idx >= num_running:
+                resumed_req_ids.add(req_id)
+            if not self.use_v2_model_runner and req_id not in self.prev_step_scheduled_req_ids:
+                all_token_ids[req_id] = list(req.all_token_ids)
+            new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
+            num_computed_tokens.append(req.num_computed_tokens)
+            num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
+        return CachedRequestData(req_ids=req_ids, resumed_req_ids=resumed_req_ids,
+                                 all_token_ids=all_token_ids, new_block_ids=new_block_ids,
+                                 num_computed_tokens=num_computed_tokens,
+                                 num_output_tokens=num_output_tokens)
+
+    # ---- The model's answer ---------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        """Take the tokens sampled in a step: append them, stop the requests that are done and
+        free their blocks. Returns, per client, an ``EngineCoreOutput`` for every request with
+        new tokens or a finish reason. A request still in its prefill samples nothing (the
+        runner returns no token for it) and gets no output."""
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        req_id_to_index = model_runner_output.req_id_to_index
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_running: set[Request] = set()
+        stopped_preempted: set[Request] = set()
+
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            output_is_stale = False
+            if request is not None:
+                request.num_in_flight_tokens -= num_tokens_scheduled
+                if request.num_stale_output_tokens > 0:
+                    # Output of a run that was preempted since: drain it.
+                    output_is_stale = True
+                    request.num_stale_output_tokens -= num_tokens_scheduled
+            if request is None or request.is_finished():
+                continue        # finished (aborted) while the step ran
+            if output_is_stale and request.drop_stale_output:
+                continue
+
+            new_token_ids = sampled_token_ids[req_id_to_index[req_id]] if sampled_token_ids else []
+            stopped = False
+            status_before_stop = request.status
+            if new_token_ids:
+                had_placeholders = request.num_output_placeholders > 0
+                new_token_ids, stopped = self._update_request_with_output(
+                    request, new_token_ids, is_stale=output_is_stale)
+                if (not output_is_stale and status_before_stop == RequestStatus.RUNNING
+                        and had_placeholders):
+                    # Async scheduling: blocks filled by tokens only now known can be cached.
+                    self.kv_cache_manager.cache_blocks(
+                        request, request.num_computed_tokens - request.num_in_flight_tokens)
+
+            finish_reason = None
+            if stopped:
+                finish_reason = request.get_finished_reason()
+                self._free_request(request)
+                if status_before_stop == RequestStatus.RUNNING:
+                    stopped_running.add(request)
+                else:
+                    stopped_preempted.add(request)
+            if new_token_ids or stopped:
+                outputs[request.client_index].append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
+                    stop_reason=request.stop_reason))
+
+        if stopped_running:
+            self.running = remove_all(self.running, stopped_running)
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
+
+        engine_core_outputs = {client: EngineCoreOutputs(outputs=outs)
+                               for client, outs in outputs.items()}
+        if self.finished_req_ids_dict:
+            for client, finished in self.finished_req_ids_dict.items():
+                if client in engine_core_outputs:
+                    engine_core_outputs[client].finished_requests = finished
+                else:
+                    engine_core_outputs[client] = EngineCoreOutputs(finished_requests=finished)
+            self.finished_req_ids_dict.clear()
+        return engine_core_outputs
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int],
+                                    is_stale: bool = False) -> tuple[list[int], bool]:
+        """Append the sampled tokens one by one, stopping at the first that ends the request
+        (the tokens after it are dropped). Returns the tokens kept and whether it stopped."""
+        num_new_tokens = len(new_token_ids)
+        stopped = False
+        for num_kept, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                stopped = True
+                if not is_stale:
+                    # Its computed count covered the dropped tokens too.
+                    request.num_computed_tokens -= num_new_tokens - num_kept
+                new_token_ids = new_token_ids[:num_kept]
+                break
+        if not is_stale and request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_new_tokens
+        return new_token_ids, stopped
+
+    # ---- Questions and upkeep --------------------------------------------------------------
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(running, waiting)``."""
+        return len(self.running), len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Whether finished requests wait to be reported in the next ``SchedulerOutput``."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def get_kv_cache_usage(self) -> float:
+        """The fraction of the KV cache's blocks in use (0.0 to 1.0)."""
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix. Only possible while no request holds blocks; with
+        ``reset_running_requests`` the running ones are preempted first (their in-flight output
+        is dropped). Returns whether the cache was reset."""
+        if reset_running_requests:
+            # Last first, so that they are back at the front of the queue in their order.
+            while self.running:
+                self._preempt_request(self.running.pop(), drop_stale_output=True)
+            self.prev_step_scheduled_req_ids.clear()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset:
+            raise RuntimeError("the prefix cache could not be reset although no request runs")
+        return reset
