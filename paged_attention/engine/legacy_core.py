@@ -19,23 +19,32 @@ so it runs synchronously: no step is scheduled before the previous one's tokens 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from paged_attention.engine.sampling_params import SamplingParams
-from paged_attention.engine.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                                 NewRequestData, SchedulerOutput)
 from paged_attention.kernels import reference
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.records import ABORTED, IGNORED, WAITED, StepRecord
 from paged_attention.legacy.scheduler import FcfsScheduler
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import cdiv
+from paged_attention.v1.core.sched.messages import EngineCoreOutput, ModelRunnerOutput
+from paged_attention.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 # How the scheduler's end of a sequence reads as a finish reason (vLLM's names).
 _END_REASONS = {IGNORED: "length", ABORTED: "abort"}
+
+
+@dataclass
+class LegacySchedulerOutput(SchedulerOutput):
+    """V1's ``SchedulerOutput`` plus what only V0 needs: the requests whose one scheduled token
+    is already in the cache (a prompt found whole in the prefix cache). Its logits are needed;
+    its keys and values must not be written again into a block other requests share."""
+
+    no_kv_write_req_ids: set[str] = field(default_factory=set)
 
 
 class SchedulerStalled(ValueError, RuntimeError):
@@ -62,7 +71,6 @@ class _LegacyRequest:
     seq: Sequence
     params: SamplingParams
     stop_ids: frozenset[int]
-    num_cached_tokens: int = 0
 
 
 class LegacyCore:
@@ -84,6 +92,8 @@ class LegacyCore:
         self._held: dict[str, tuple[int, int]] = {}
         self._seq_ids = 0
         self._record: Optional[StepRecord] = None
+        # Prompt tokens found in the prefix cache when each request was (last) admitted.
+        self.num_cached_tokens: dict[str, int] = {}
 
     @property
     def history(self) -> list[StepRecord]:
@@ -91,7 +101,11 @@ class LegacyCore:
 
     # ---- requests -------------------------------------------------------------------------
     def check_prompt(self, num_tokens: int) -> None:
-        """ValueError for a prompt this pool can never hold (the watermark kept back)."""
+        """ValueError for a prompt no step can run whole (V0 does not chunk a prefill), or that
+        this pool can never hold (the watermark kept back)."""
+        if num_tokens > self.scheduler.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {num_tokens} tokens, more than one step may run "
+                             f"(max_num_batched_tokens={self.scheduler.max_num_batched_tokens})")
         mgr = self.block_manager
         usable = mgr.num_total_gpu_blocks - mgr.watermark_blocks
         if cdiv(num_tokens, self.block_size) > usable:
@@ -125,7 +139,7 @@ class LegacyCore:
         record = self._record = self.scheduler.schedule()
         _check_progress(record, self.scheduler)
         self._move_blocks(record)
-        so = SchedulerOutput([], CachedRequestData(), {}, 0)
+        so = LegacySchedulerOutput([], CachedRequestData.make_empty(), {}, 0, set())
         cached = so.scheduled_cached_reqs
         for scheduled in record.scheduled_seq_groups:
             rid = scheduled.seq_group.request_id
@@ -136,7 +150,7 @@ class LegacyCore:
             n = seq.get_len()
             start = n - scheduled.token_chunk_size
             if scheduled.is_prefill:
-                request.num_cached_tokens = scheduled.num_cached_tokens
+                self.num_cached_tokens[rid] = scheduled.num_cached_tokens
                 start = max(start, scheduled.num_cached_tokens)
                 if start >= n:
                     # The whole prompt is cached, but its last token's logits are needed: run that
@@ -159,6 +173,7 @@ class LegacyCore:
                 if not same:
                     cached.resumed_req_ids.add(rid)
                 cached.num_computed_tokens.append(start)
+                cached.num_output_tokens.append(seq.get_len() - seq.get_prompt_len())
             self._held[rid] = (len(blocks), blocks[-1] if blocks else -1)
             so.num_scheduled_tokens[rid] = n - start
             so.total_num_scheduled_tokens += n - start
@@ -182,12 +197,11 @@ class LegacyCore:
                             "length" if num_out >= params.max_tokens or seq.get_len() + 1 >= self.max_model_len
                             else None)
         self.scheduler.update(record, sampled, [self.requests[r].seq.seq_id for r, why in reasons.items() if why])
-        outputs = [EngineCoreOutput(rid, [sampled[self.requests[rid].seq.seq_id]], why,
-                                    self.requests[rid].num_cached_tokens) for rid, why in reasons.items()]
+        outputs = [EngineCoreOutput(rid, [sampled[self.requests[rid].seq.seq_id]], why)
+                   for rid, why in reasons.items()]
         for event in record.events:
             if event.kind in _END_REASONS and event.request_id in self.requests:
-                outputs.append(EngineCoreOutput(event.request_id, [], _END_REASONS[event.kind],
-                                                self.requests[event.request_id].num_cached_tokens))
+                outputs.append(EngineCoreOutput(event.request_id, [], _END_REASONS[event.kind]))
         for out in outputs:
             if out.finish_reason is not None:
                 self.requests.pop(out.request_id, None)
@@ -224,9 +238,10 @@ class LegacyCore:
             sched.abort_seq_group(request_id, why)
         self.requests.clear()
         self._held.clear()
+        self.num_cached_tokens.clear()
         self._record = None
         self.block_manager.reset_prefix_cache()
         return dropped
 
 
-__all__ = ["LegacyCore", "SchedulerStalled"]
+__all__ = ["LegacyCore", "LegacySchedulerOutput", "SchedulerStalled"]

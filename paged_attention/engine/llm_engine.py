@@ -34,11 +34,12 @@ from paged_attention.engine.legacy_core import SchedulerStalled  # noqa: F401  (
 from paged_attention.engine.model_runner import ModelRunner, RunnerOutput
 from paged_attention.engine.outputs import CompletionOutput, RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
-from paged_attention.engine.sched_output import EngineCoreOutput, SchedulerOutput
 from paged_attention.model import LlamaForCausalLM, allocate_kv_caches
+from paged_attention.v1.core.sched.messages import EngineCoreOutput
+from paged_attention.v1.core.sched.output import SchedulerOutput
 
 CORES = ("v1", "v0")
-DEFAULT_CORE = "v0"
+DEFAULT_CORE = "v1"
 
 
 @dataclass
@@ -121,7 +122,14 @@ class LLMEngine:
                                    preemption_mode=preemption_mode or "swap", watermark=watermark,
                                    record_block_owners=record_block_owners)
         else:
-            raise ValueError("core='v1' is not available yet")
+            from paged_attention.engine.v1_core import V1Core
+            if preemption_mode not in (None, "recompute"):
+                raise ValueError("the V1 core preempts by recomputation only; use core='v0' for swapping")
+            self.cpu_kv_caches = []
+            self.core = V1Core(model.config, model.dtype, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                               enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                               async_scheduling=self.async_scheduling)
         self.requests: dict[str, _Request] = {}          # unfinished requests
         self.step_stats: list[StepStats] = []
         self._in_flight: collections.deque[tuple[SchedulerOutput, RunnerOutput, float]] = collections.deque()
@@ -159,9 +167,6 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but the model's context is {self.max_model_len} "
                              f"(max_model_len), which must leave room for at least one new token")
-        if n > self.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {n} tokens, more than one step may run "
-                             f"(max_num_batched_tokens={self.max_num_batched_tokens})")
         self.core.check_prompt(n)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -225,6 +230,8 @@ class LLMEngine:
         output = pending.get_output()
         t0 = time.perf_counter()
         done = self._process(self.core.update_from_output(so, output))
+        if not pending.num_tokens:
+            return done                         # a step that ran nothing (its news still went out)
         self.step_stats.append(StepStats(
             self._num_steps, len(output.req_ids), pending.num_tokens, pending.decode_only, pending.cuda_graph,
             schedule, pending.prepare, pending.forward, pending.sample, time.perf_counter() - t0, pending.wait,
@@ -240,9 +247,9 @@ class LLMEngine:
             if request is None:
                 continue                     # finished at an earlier step (an async step too many)
             request.output_token_ids += out.new_token_ids
-            request.num_cached_tokens = out.num_cached_tokens
             if out.finish_reason is not None:
-                request.finish_reason = out.finish_reason
+                request.finish_reason = str(out.finish_reason)
+                request.num_cached_tokens = self.core.num_cached_tokens.pop(out.request_id, 0)
                 done.append(self.output(self.requests.pop(out.request_id)))
         return done
 

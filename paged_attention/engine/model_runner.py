@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from paged_attention.engine.sampler import sample_tensor
-from paged_attention.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from paged_attention.engine.tables import make_step_tables
 from paged_attention.model import ForwardBatch, LlamaForCausalLM
 from paged_attention.utils import PAD_SLOT_ID
+from paged_attention.v1.core.sched.messages import ModelRunnerOutput
+from paged_attention.v1.core.sched.output import SchedulerOutput
 
 
 class RequestStates:
@@ -138,6 +139,7 @@ class StepInputs:
     token_ids: torch.Tensor          # -1 where the request's last sampled token goes
     token_rows: torch.Tensor
     idx_np: np.ndarray
+    samples: Optional[np.ndarray]    # which requests sample (None: all); a prefill chunk that stops short does not
     batch: ForwardBatch
     graph_key: Optional[tuple[int, int]]
 
@@ -149,8 +151,8 @@ class RunnerOutput:
 
     def __init__(self, req_ids: list[str], tokens: Optional[torch.Tensor], event, *, decode_only: bool,
                  cuda_graph: bool, num_tokens: int, prepare: float, forward: float, sample: float,
-                 gpu_events: Optional[tuple] = None) -> None:
-        self.req_ids, self._tokens, self._event = req_ids, tokens, event
+                 gpu_events: Optional[tuple] = None, samples: Optional[np.ndarray] = None) -> None:
+        self.req_ids, self._tokens, self._event, self._samples = req_ids, tokens, event, samples
         self.decode_only, self.cuda_graph, self.num_tokens = decode_only, cuda_graph, num_tokens
         self.prepare, self.forward, self.sample = prepare, forward, sample
         self.gpu_events = gpu_events
@@ -164,8 +166,11 @@ class RunnerOutput:
                 self._event.synchronize()
             tokens = self._tokens.tolist() if self._tokens is not None else []
             self.wait = time.perf_counter() - t0
-            self._output = ModelRunnerOutput(self.req_ids, dict(zip(self.req_ids, range(len(tokens)))),
-                                             [[t] for t in tokens])
+            if self._samples is None:
+                sampled = [[t] for t in tokens]
+            else:                               # prefill chunks that stop short sample nothing
+                sampled = [[t] if s else [] for t, s in zip(tokens, self._samples.tolist())]
+            self._output = ModelRunnerOutput(self.req_ids, dict(zip(self.req_ids, range(len(tokens)))), sampled)
         return self._output
 
 
@@ -188,12 +193,13 @@ class ModelRunner:
         if cuda_graphs and cuda and model.attention_impl != "reference":
             from paged_attention.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(max_num_reqs, max_model_len, self.device)
-        # The sampled tokens' host copies, two in turn (one step may be in flight while the next is made).
-        self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda)
-                              for _ in range(2 if cuda else 1)]
+        # The sampled tokens' host copies, two in turn: a step's tokens are read after the next
+        # step is launched (async scheduling), which writes the other one.
+        self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._turn = 0
         self.record_gpu_time = record_gpu_time and cuda
         self._generators: dict[str, Optional[torch.Generator]] = {}
+        self.num_preemptions = 0            # requests dropped by a preemption (to be recomputed)
 
     # ---- 1. states ------------------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> None:
@@ -203,7 +209,7 @@ class ModelRunner:
             states.remove(req_id)
             self._generators.pop(req_id, None)
         for req_id in so.preempted_req_ids:
-            states.remove(req_id)
+            self.num_preemptions += states.remove(req_id) is not None
         for new in so.scheduled_new_reqs:
             tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
             row = states.add(new.req_id, tokens, new.num_computed_tokens, new.sampling_params)
@@ -258,6 +264,10 @@ class ModelRunner:
             ids = np.where(known, states.token_ids[rows, np.minimum(positions, self.max_model_len - 1)], -1)
         else:
             ids = None
+        # A request samples once this step reaches the end of the tokens it was added with.
+        samples = None if decode_only else seq_lens >= states.prefill_len[idx]
+        if samples is not None and samples.all():
+            samples = None
         max_seq_len = int(seq_lens.max())
         graph_key = self.graphs.key(n, max_seq_len) if decode_only and self.graphs is not None else None
         b = t = graph_key[0] if graph_key is not None else None
@@ -287,14 +297,15 @@ class ModelRunner:
 
         block_tables, slot_mapping = self.tables.prepare(
             idx_dev[:n], qsl_dev[:n + 1], pos_dev[:num_tokens], rows, positions, b, t)
-        if so.no_kv_write_req_ids:
-            at = [int(buf[o[1] + i]) for i, r in enumerate(req_ids) if r in so.no_kv_write_req_ids]
+        no_kv_write = getattr(so, "no_kv_write_req_ids", None)       # the legacy core's, see there
+        if no_kv_write:
+            at = [int(buf[o[1] + i]) for i, r in enumerate(req_ids) if r in no_kv_write]
             slot_mapping[torch.tensor(at, device=self.device)] = PAD_SLOT_ID
         host_layout = {} if decode_only else dict(query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         batch = ForwardBatch(qsl_dev, seq_lens_dev, block_tables, slot_mapping,
                              max_query_len=int(counts.max()), max_seq_len=graph_key[1] if graph_key else max_seq_len,
                              **host_layout)
-        return StepInputs(req_ids, n, num_tokens, idx_dev[:n], pos_dev, ids_dev, rows_dev, idx, batch, graph_key)
+        return StepInputs(req_ids, n, num_tokens, idx_dev[:n], pos_dev, ids_dev, rows_dev, idx, samples, batch, graph_key)
 
     def input_ids(self, token_ids: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
         """Each token's id: the host's, or (``-1``) its request's last sampled token."""
@@ -328,7 +339,8 @@ class ModelRunner:
             events[1].record()
         return RunnerOutput(inputs.req_ids, tokens, self._event(), decode_only=inputs.num_tokens == n,
                             cuda_graph=inputs.graph_key is not None, num_tokens=inputs.num_tokens,
-                            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, gpu_events=events)
+                            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, gpu_events=events,
+                            samples=inputs.samples)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         ids = self.input_ids(inputs.token_ids, inputs.token_rows)
