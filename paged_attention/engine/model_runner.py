@@ -353,8 +353,11 @@ class ModelRunner:
         if states.greedy[inputs.idx_np].all():
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = sample_tensor(logits, [states.params[r] for r in inputs.idx_np],
-                                    [self._generators.get(r) for r in inputs.req_ids])
+            # A request that samples nothing this step (a prefill chunk) draws nothing either.
+            params = [states.params[r] for r in inputs.idx_np]
+            if inputs.samples is not None:
+                params = [p if s else None for p, s in zip(params, inputs.samples.tolist())]
+            sampled = sample_tensor(logits, params, [self._generators.get(r) for r in inputs.req_ids])
         states.last_sampled[inputs.idx_mapping] = sampled.to(torch.int32)
         self._turn = (self._turn + 1) % len(self._sampled_host)
         host = self._sampled_host[self._turn][:inputs.num_reqs]

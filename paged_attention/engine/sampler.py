@@ -35,10 +35,11 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
     """One token id per row of ``logits`` ``[num_reqs, vocab]``, row ``i`` by ``params[i]``, as
     an int64 tensor on the logits' device (nothing is read back: the model runner keeps the
     tokens on the device for the next step). ``generators[i]`` None draws from torch's global
-    generator of the logits' device."""
+    generator of the logits' device; ``params[i]`` None takes the argmax without a draw (a row
+    whose token is not wanted)."""
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
-        if p.greedy:
+        if p is None or p.greedy:
             continue
         probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
         probs = top_p_filter(probs, p.top_p)
