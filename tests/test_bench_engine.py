@@ -91,3 +91,24 @@ def test_throughput_drawing_has_a_line_per_system():
     assert len(ax.get_lines()) == 3
     with pytest.raises(ValueError):
         draw_engine_throughput({"rows": []})
+
+
+def test_ablation_drawing_has_a_bar_per_configuration_and_part():
+    from paged_attention.viz.engine_ablation import draw_engine_ablation
+    parts = dict(schedule_ms=1.0, prepare_ms=0.5, forward_ms=0.2, sample_ms=0.1, update_ms=0.4, wait_ms=2.0)
+    rows = [{"name": name, "tokens_per_s": 1000.0 * (i + 1), **parts} for i, (name, _) in enumerate(ABLATION)]
+    rows[-1].update(gpu_busy_ms=3.0, gpu_idle_ms=0.3)
+    left, right = draw_engine_ablation({"requests": 256, "prompt_len": 128, "max_tokens": 128, "rows": rows})
+    assert len(left.patches) == 4 and [p.get_width() for p in left.patches] == [4000, 3000, 2000, 1000]
+    assert len(right.patches) == 4 * 6 + 2            # six host parts each; the GPU's two parts once
+    gpu = right.patches[6:8]                          # the last configuration is drawn first, host then GPU
+    assert gpu[0].get_width() == 3.0 and gpu[1].get_x() == 3.0 and gpu[1].get_width() == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="ablation"):
+        draw_engine_ablation({"rows": [{"tokens_per_s": 1.0}]})
+
+
+def test_committed_results_are_read_where_present(tmp_path):
+    from paged_attention.bench.engine import load_results
+    assert load_results(tmp_path / "none.json") is None
+    (tmp_path / "r.json").write_text(json.dumps({"ablation": {"rows": []}}))
+    assert load_results(tmp_path / "r.json") == {"ablation": {"rows": []}}

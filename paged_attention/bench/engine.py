@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -37,6 +39,18 @@ ABLATION: list[tuple[str, dict]] = [
 
 # The host's parts of a step (StepStats fields), in the order a step runs them.
 HOST_PARTS = ("schedule", "prepare", "forward", "sample", "wait", "update")
+
+# Where a GPU run of benchmarks/bench_engine.py is committed (notebook 08 draws it).
+RESULTS_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_engine.json"
+
+
+def load_results(path: Union[str, Path] = RESULTS_PATH) -> Optional[dict[str, Any]]:
+    """A committed run's figures (``bench_engine.json``), or None where there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _sync(device: torch.device) -> None:
