@@ -23,8 +23,6 @@ from typing import Callable, Optional
 
 import torch
 
-from paged_attention.utils import next_power_of_2
-
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (and ``max_num_seqs`` itself)."""
@@ -46,11 +44,10 @@ class DecodeGraphs:
             self._bucket_of[b] = next(s for s in self.batch_sizes if s >= b)
 
     def key(self, num_reqs: int, max_seq_len: int) -> Optional[tuple[int, int]]:
-        """The graph a decode batch runs, or None when it is larger than any captured size."""
+        """The graph a decode batch of ``num_reqs`` runs (``max_seq_len`` already rounded up by
+        the runner), or None when it is larger than any captured size."""
         bs = self._bucket_of.get(num_reqs)
-        if bs is None:
-            return None
-        return bs, min(max(256, next_power_of_2(max_seq_len)), self.max_model_len)
+        return None if bs is None else (bs, max_seq_len)
 
     def run(self, key: tuple[int, int], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Replay the graph ``key`` (capturing ``forward`` first if it has none) and return its

@@ -33,7 +33,7 @@ import torch
 from paged_attention.engine.sampler import sample_tensor
 from paged_attention.engine.tables import make_step_tables
 from paged_attention.model import ForwardBatch, LlamaForCausalLM
-from paged_attention.utils import PAD_SLOT_ID
+from paged_attention.utils import PAD_SLOT_ID, next_power_of_2
 from paged_attention.v1.core.sched.messages import ModelRunnerOutput
 from paged_attention.v1.core.sched.output import SchedulerOutput
 
@@ -268,7 +268,11 @@ class ModelRunner:
         samples = None if decode_only else seq_lens >= states.prefill_len[idx]
         if samples is not None and samples.all():
             samples = None
+        # The bound the kernels size their work by, rounded up on a GPU (a decode kernel's launch is
+        # planned once per bound: an exact one would make a new plan every step).
         max_seq_len = int(seq_lens.max())
+        if self.device.type == "cuda":
+            max_seq_len = min(max(256, next_power_of_2(max_seq_len)), self.max_model_len)
         graph_key = self.graphs.key(n, max_seq_len) if decode_only and self.graphs is not None else None
         b = t = graph_key[0] if graph_key is not None else None
         if b is None:
@@ -303,7 +307,7 @@ class ModelRunner:
             slot_mapping[torch.tensor(at, device=self.device)] = PAD_SLOT_ID
         host_layout = {} if decode_only else dict(query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         batch = ForwardBatch(qsl_dev, seq_lens_dev, block_tables, slot_mapping,
-                             max_query_len=int(counts.max()), max_seq_len=graph_key[1] if graph_key else max_seq_len,
+                             max_query_len=int(counts.max()), max_seq_len=max_seq_len,
                              **host_layout)
         return StepInputs(req_ids, n, num_tokens, idx_dev[:n], pos_dev, ids_dev, rows_dev, idx, samples, batch, graph_key)
 
