@@ -80,6 +80,8 @@ def main() -> int:
     parser.add_argument("--nano-requests", type=int, default=256)
     parser.add_argument("--nano-lens", default="100,1024", help="min,max prompt and output length")
     parser.add_argument("--ablation-requests", type=int, default=256)
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds: a section that would start later is skipped (the JSON keeps what ran)")
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU run in fp32 (checks the script)")
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
@@ -90,6 +92,18 @@ def main() -> int:
     from paged_attention.engine import LLM
 
     started = time.perf_counter()
+
+    def in_time(what: str) -> bool:
+        if opts.time_limit is None or time.perf_counter() - started < opts.time_limit:
+            return True
+        log(f"# skipped (past --time-limit {opts.time_limit:.0f} s): {what}")
+        return False
+
+    def save() -> None:
+        results["seconds"] = time.perf_counter() - started
+        for path in [os.path.join(opts.out, "bench_engine.json")] + ([opts.json] if opts.json else []):
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
     engine_kw = dict(core=opts.core, async_scheduling=None if opts.core == "v0" else not opts.no_async,
                      cuda_graphs=not opts.no_graphs, block_tables=opts.block_tables, record_gpu_time=True)
     if opts.smoke:
@@ -134,6 +148,8 @@ def main() -> int:
     log(f"{'requests':>8} {'engine tok/s':>12} {'ms/step':>8} {'host ms':>8} {'py us/seq':>9} {'GPU idle':>8} "
         f"{'graphs':>7} {'HF dyn tok/s':>12} {'HF static':>10} {'engine/best HF':>14}")
     for n in sizes:
+        if not in_time(f"{n} requests"):
+            continue
         prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n)
         row = {"requests": n, "engine": run_engine(llm, prompts, opts.max_tokens)}
         if hf is not None:
@@ -150,10 +166,11 @@ def main() -> int:
             f"{e['python_us_per_seq']:>9.1f} {_pct(e.get('gpu_idle_share')):>8} "
             f"{e['cuda_graph_steps']:>3}/{e['decode_steps']:<3} {dynamic:>12.0f} {static:>10.0f} "
             f"{row['ratio_to_best_hf']:>13.1f}x")
+        save()
     _free(hf)
 
     # 2. nano-vllm's workload.
-    if not opts.skip_nano:
+    if not opts.skip_nano and in_time("the nano-vllm workload"):
         lo, hi = (int(x) for x in opts.nano_lens.split(","))
         prompts, lens = random_workload(opts.nano_requests, lo, hi, config.vocab_size, seed=1)
         warm, _ = random_workload(opts.nano_requests, lo, hi, config.vocab_size, seed=2)
@@ -163,10 +180,11 @@ def main() -> int:
             f"{e['num_tokens']} tokens in {e['seconds']:.2f} s, {e['tokens_per_s']:,.0f} tokens/s "
             f"({e['steps']} steps, {e['preemptions']} preemptions, GPU idle {_pct(e.get('gpu_idle_share'))} of a "
             f"decode step, {e['python_us_per_seq']:.1f} us of host time per request and step)")
+        save()
     _free(llm)
 
     # 3. The ablation.
-    if not opts.skip_ablation:
+    if not opts.skip_ablation and in_time("the ablation"):
         n = opts.ablation_requests
         prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=3)
         abl_kw = {k: v for k, v in base_kw.items() if k not in ("device", "dtype")}
@@ -182,9 +200,10 @@ def main() -> int:
                 f"{r['prepare_ms']:>6.2f} {r['forward_ms']:>6.2f} {r['sample_ms']:>6.2f} {r['wait_ms']:>6.2f} "
                 f"{r['update_ms']:>6.2f} {r.get('gpu_busy_ms', float('nan')):>8.2f} "
                 f"{_pct(r.get('gpu_idle_share')):>8}")
+        save()
 
     # 4. Memory: a fixed KV budget, paged against a contiguous reservation of the context per request.
-    if not opts.skip_memory:
+    if not opts.skip_memory and in_time("the memory question"):
         cap = kv_capacity(config, 16, dtype, memory_budget, opts.prompt_len, opts.max_tokens,
                           config.max_position_embeddings)
         many = 2 * cap["paged"] if not opts.smoke else 4
@@ -205,11 +224,8 @@ def main() -> int:
             f"{measured['preemptions']} preemptions), {cap['contiguous']} with "
             f"{config.max_position_embeddings} tokens reserved each")
 
-    results["seconds"] = time.perf_counter() - started
+    save()
     log(f"# done in {results['seconds']:.0f} s")
-    for path in [os.path.join(opts.out, "bench_engine.json")] + ([opts.json] if opts.json else []):
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
     return 0
 
 

@@ -462,13 +462,28 @@ def test_real_model_batched_equals_solo_and_text_equals_ids(smollm):
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_cuda_graph_decode_equals_eager():
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_cuda_graph_decode_equals_eager(kw):
+    """On the GPU (Triton kernels, fp32, fused layer operations): decode steps replayed from graphs
+    of padded buckets give the eager tokens, under each core, in a roomy and in a tight pool, with
+    shared prefixes; the CPU reference agrees."""
     m = tiny_model("triton", runtime.DEVICE)
-    ps = prompts(5, seed=16)
-    eager = tokens(engine(m, cuda_graphs=False).generate(ps, GREEDY, use_tqdm=False))
-    llm = engine(m, cuda_graphs=True)
-    assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == eager
+    assert m.fused
+    system = prompts(1, length=24, seed=16)[0]
+    ps = prompts(5, seed=17) + prompts(2, length=4, seed=18, prefix=system)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = tokens(engine(tiny_model(), **kw).generate(ps, params, use_tqdm=False))          # CPU, reference
+    eager = tokens(engine(m, cuda_graphs=False, **kw).generate(ps, params, use_tqdm=False))
+    llm = engine(m, cuda_graphs=True, record_gpu_time=True, **kw)
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == eager == want
     assert any(s.cuda_graph for s in llm.engine.step_stats)
+    assert {key[0] for key in llm.engine.runner.graphs.graphs} >= {8}          # 7 requests padded to 8
+    tight = engine(m, cuda_graphs=True, num_gpu_blocks=20, block_size=8, **kw)
+    assert tokens(tight.generate(ps, params, use_tqdm=False)) == want
+    assert tight.engine.runner.num_preemptions > 0
+    from paged_attention.bench.engine import gpu_timeline
+    timeline = gpu_timeline([s for s in llm.engine.step_stats if s.decode_only])
+    assert timeline is not None and timeline["gpu_busy_ms"] > 0 and 0 <= timeline["gpu_idle_share"] < 1
 
 
 @pytest.mark.cuda
