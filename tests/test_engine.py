@@ -385,6 +385,31 @@ def test_gpu_only_attention_on_the_cpu_is_unavailable(model):
         LLM(attention="cuda", device="cpu")
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_v1_core_that_schedules_nothing_ends_with_a_typed_error(model, monkeypatch, asynchronous):
+    """A core that stops scheduling (planted: its scheduler hands out empty steps) must not make
+    ``generate`` spin: a few empty steps, then ``SchedulerStalled``, the engine idle and usable."""
+    from paged_attention.engine.llm_engine import SchedulerStalled
+    from paged_attention.v1.core.sched.output import SchedulerOutput
+    llm = engine(model, async_scheduling=asynchronous)
+    ps = prompts(2, seed=19)
+    want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    eng, ran = llm.engine, len(llm.engine.step_stats)
+    monkeypatch.setattr(eng.core.scheduler, "schedule", SchedulerOutput.make_empty)
+    calls, step = [0], eng.step
+
+    def counted():
+        calls[0] += 1
+        return step()
+    monkeypatch.setattr(eng, "step", counted)
+    with pytest.raises(SchedulerStalled, match="scheduled nothing"):
+        llm.generate(ps, GREEDY, use_tqdm=False)
+    assert calls[0] <= 5 and len(eng.step_stats) == ran                      # a few empty steps, none recorded
+    monkeypatch.undo()
+    assert_idle(llm)
+    assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+
+
 @pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
 def test_a_failing_step_frees_its_blocks(model, monkeypatch, kw):
     system = prompts(1, length=40, seed=14)[0]

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from paged_attention.engine.legacy_core import SchedulerStalled  # noqa: F401  (raised by a step)
+from paged_attention.engine.legacy_core import SchedulerStalled
 from paged_attention.engine.model_runner import ModelRunner, RunnerOutput
 from paged_attention.engine.outputs import CompletionOutput, RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
@@ -134,6 +134,7 @@ class LLMEngine:
         self.step_stats: list[StepStats] = []
         self._in_flight: collections.deque[tuple[SchedulerOutput, RunnerOutput, float]] = collections.deque()
         self._num_steps = 0
+        self._idle_steps = 0                              # steps in a row that ran and reported nothing
 
     # What the legacy core shows (the V0 chapter's drawings read these).
     @property
@@ -229,15 +230,31 @@ class LLMEngine:
     def _update(self, so: SchedulerOutput, pending: RunnerOutput, schedule: float) -> list[RequestOutput]:
         output = pending.get_output()
         t0 = time.perf_counter()
-        done = self._process(self.core.update_from_output(so, output))
+        outputs = self.core.update_from_output(so, output)
+        done = self._process(outputs)
         if not pending.num_tokens:
+            self._check_progress(outputs)
             return done                         # a step that ran nothing (its news still went out)
+        self._idle_steps = 0
         self.step_stats.append(StepStats(
             self._num_steps, len(output.req_ids), pending.num_tokens, pending.decode_only, pending.cuda_graph,
             schedule, pending.prepare, pending.forward, pending.sample, time.perf_counter() - t0, pending.wait,
             pending.gpu_events))
         self._num_steps += 1
         return done
+
+    def _check_progress(self, outputs: list[EngineCoreOutput]) -> None:
+        """``SchedulerStalled`` when steps keep running nothing and reporting nothing while
+        requests wait (one such step is normal under async scheduling: the step in flight holds
+        every request's last token)."""
+        if outputs or any(p.num_tokens for _, p, _ in self._in_flight) or not self.core.has_unfinished_requests():
+            self._idle_steps = 0
+            return
+        self._idle_steps += 1
+        if self._idle_steps >= 3:
+            raise SchedulerStalled(f"{self._idle_steps} steps in a row scheduled nothing while "
+                                   f"{len(self.requests)} requests wait, and the next would do the same; "
+                                   f"every request was dropped")
 
     def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Each request's new tokens appended; the finished ones made ``RequestOutput``s."""
