@@ -122,3 +122,34 @@ def test_unseeded_and_seeded_sampling_through_the_runner(model):
     tight = LLM(model, num_gpu_blocks=10, block_size=8)
     assert tokens(tight.generate(ps, params, use_tqdm=False)) == roomy
     assert tight.engine.runner.num_preemptions > 0
+
+
+def test_a_step_reads_nothing_back_to_the_host(model, monkeypatch):
+    """What async scheduling rests on: launching a step (prefills, decodes, mixed batches; V1's
+    chunks) reads no tensor back to the host, so the host can go on to the next step at once.
+    Only ``get_output`` waits, for the tokens. Checked with the reference kernels (the
+    interpreter's own copies would count as reads)."""
+    from tests.test_model import _NoHostReads
+
+    def write(key, value, key_cache, value_cache, slot_mapping, *args):
+        # The reference write finds its tokens with nonzero (a read); a device-side stand-in.
+        keep = slot_mapping >= 0
+        slots = torch.where(keep, slot_mapping, 0)
+        b, o = slots // key_cache.size(1), slots % key_cache.size(1)
+        key_cache[b, o] = torch.where(keep[:, None, None], key, key_cache[b, o])
+        value_cache[b, o] = torch.where(keep[:, None, None], value, value_cache[b, o])
+    monkeypatch.setattr(model.attn, "_write", write)
+    llm = LLM(model, num_gpu_blocks=64, max_num_batched_tokens=40, max_num_seqs=4)
+    want = tokens(LLM(model, num_gpu_blocks=64).generate(prompts(3, seed=24, prefix=prompts(1, length=24, seed=23)[0]),
+                                                         GREEDY, use_tqdm=False))
+    runner = llm.engine.runner
+    execute = runner.execute_model
+
+    def watched(so):
+        with _NoHostReads():
+            return execute(so)
+    monkeypatch.setattr(runner, "execute_model", watched)
+    system = prompts(1, length=24, seed=23)[0]
+    out = llm.generate(prompts(3, seed=24, prefix=system), GREEDY, use_tqdm=False)
+    assert tokens(out) == want
+    assert any(not s.decode_only for s in llm.engine.step_stats)            # prefill chunks ran too

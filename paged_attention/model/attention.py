@@ -223,7 +223,8 @@ class PagedAttention:
         out = torch.empty_like(query)
         if self._prefill is not None:
             self._prefill(out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.seq_lens,
-                          batch.query_start_loc, self.scale, max_query_len=batch.max_query_len, check_ids=False)
+                          batch.query_start_loc, self.scale, max_query_len=batch.max_query_len, check_ids=False,
+                          max_seq_len=batch.max_seq_len)
             return out
         if plan.decode is not None:
             d = plan.decode
