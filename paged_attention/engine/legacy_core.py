@@ -30,7 +30,6 @@ from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.records import ABORTED, IGNORED, WAITED, StepRecord
 from paged_attention.legacy.scheduler import FcfsScheduler
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_attention.utils import cdiv
 from paged_attention.v1.core.sched.messages import EngineCoreOutput, ModelRunnerOutput
 from paged_attention.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -101,28 +100,17 @@ class LegacyCore:
 
     # ---- requests -------------------------------------------------------------------------
     def check_prompt(self, num_tokens: int) -> None:
-        """ValueError for a prompt no step can run whole (V0 does not chunk a prefill), or that
-        this pool can never hold (the watermark kept back)."""
+        """ValueError for a prompt no step can run whole (V0 does not chunk a prefill)."""
         if num_tokens > self.scheduler.max_num_batched_tokens:
             raise ValueError(f"the prompt has {num_tokens} tokens, more than one step may run "
                              f"(max_num_batched_tokens={self.scheduler.max_num_batched_tokens})")
-        mgr = self.block_manager
-        usable = mgr.num_total_gpu_blocks - mgr.watermark_blocks
-        if cdiv(num_tokens, self.block_size) > usable:
-            raise ValueError(f"the prompt has {num_tokens} tokens, {cdiv(num_tokens, self.block_size)} blocks of "
-                             f"{self.block_size}, but the pool can never give one request more than {usable} "
-                             f"({mgr.num_total_gpu_blocks} blocks, {mgr.watermark_blocks} kept as the watermark)")
 
-    def check_fits(self, longest: int, why: str) -> None:
-        """ValueError unless a request holding ``longest`` tokens in the cache fits the pool alone,
-        with the watermark to spare."""
+    @property
+    def usable_blocks(self) -> tuple[int, str]:
+        """The most blocks one request can ever hold, and why not all of the pool's."""
         mgr = self.block_manager
-        need = cdiv(longest, self.block_size) + mgr.watermark_blocks
-        if need > mgr.num_total_gpu_blocks:
-            raise ValueError(f"the request may hold {longest} tokens in the cache {why}: running to its end alone "
-                             f"takes {need} blocks of {self.block_size} (the watermark of {mgr.watermark_blocks} "
-                             f"included), but the pool has {mgr.num_total_gpu_blocks}; lower max_tokens or give "
-                             f"the pool more blocks")
+        return (mgr.num_total_gpu_blocks - mgr.watermark_blocks,
+                f"{mgr.num_total_gpu_blocks} blocks, {mgr.watermark_blocks} kept as the watermark")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stop_ids: frozenset[int]) -> None:

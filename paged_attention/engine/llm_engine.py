@@ -35,6 +35,7 @@ from paged_attention.engine.model_runner import ModelRunner, RunnerOutput
 from paged_attention.engine.outputs import CompletionOutput, RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.model import LlamaForCausalLM, allocate_kv_caches
+from paged_attention.utils import cdiv
 from paged_attention.v1.core.sched.messages import EngineCoreOutput
 from paged_attention.v1.core.sched.output import SchedulerOutput
 
@@ -169,6 +170,10 @@ class LLMEngine:
             raise ValueError(f"the prompt has {n} tokens, but the model's context is {self.max_model_len} "
                              f"(max_model_len), which must leave room for at least one new token")
         self.core.check_prompt(n)
+        usable, why = self.core.usable_blocks
+        if cdiv(n, self.block_size) > usable:
+            raise ValueError(f"the prompt has {n} tokens, {cdiv(n, self.block_size)} blocks of {self.block_size}, "
+                             f"but the pool can never give one request more than {usable} ({why})")
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Typed errors for a request the engine could not run to its end; nothing changes.
@@ -187,8 +192,12 @@ class LLMEngine:
         self.check_prompt(prompt_token_ids)
         n = len(prompt_token_ids)
         longest = min(n + params.max_tokens, self.max_model_len) - 1
-        self.core.check_fits(longest, f"({n} prompt tokens, max_tokens={params.max_tokens}, "
-                                      f"max_model_len={self.max_model_len})")
+        usable, why = self.core.usable_blocks
+        if cdiv(longest, self.block_size) > usable:
+            raise ValueError(f"the request may hold {longest} tokens in the cache ({n} prompt tokens, max_tokens="
+                             f"{params.max_tokens}, max_model_len={self.max_model_len}): running to its end alone "
+                             f"takes {cdiv(longest, self.block_size)} blocks of {self.block_size}, but the pool can "
+                             f"give one request {usable} ({why}); lower max_tokens or give the pool more blocks")
         return params
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

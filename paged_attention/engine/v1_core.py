@@ -18,7 +18,6 @@ import dataclasses
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from paged_attention.model.config import LlamaConfig
-from paged_attention.utils import cdiv
 from paged_attention.v1.core import kv_cache_utils
 from paged_attention.v1.core.request import Request, RequestStatus
 from paged_attention.v1.core.sched.async_scheduler import AsyncScheduler
@@ -61,23 +60,12 @@ class V1Core:
 
     # ---- requests -------------------------------------------------------------------------
     def check_prompt(self, num_tokens: int) -> None:
-        """ValueError for a prompt this pool can never hold (block 0 is the null block)."""
-        usable = self.num_gpu_blocks - 1
-        if cdiv(num_tokens, self.block_size) > usable:
-            raise ValueError(f"the prompt has {num_tokens} tokens, {cdiv(num_tokens, self.block_size)} blocks of "
-                             f"{self.block_size}, but the pool can never give one request more than {usable} "
-                             f"({self.num_gpu_blocks} blocks, block 0 being the null block)")
+        """Nothing beyond the engine's checks: V1 runs a long prompt in chunks."""
 
-    def check_fits(self, longest: int, why: str) -> None:
-        """ValueError unless a request holding ``longest`` tokens fits the pool alone (block 0 is
-        the null block: the others are usable)."""
-        usable = self.num_gpu_blocks - 1
-        need = cdiv(longest, self.block_size)
-        if need > usable:
-            raise ValueError(f"the request may hold {longest} tokens in the cache {why}: running to its end alone "
-                             f"takes {need} blocks of {self.block_size}, but the pool has {usable} to give (of "
-                             f"{self.num_gpu_blocks}, block 0 being the null block); lower max_tokens or give the "
-                             f"pool more blocks")
+    @property
+    def usable_blocks(self) -> tuple[int, str]:
+        """The most blocks one request can ever hold, and why not all of the pool's."""
+        return self.num_gpu_blocks - 1, f"{self.num_gpu_blocks} blocks, block 0 being the null block"
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stop_ids: frozenset[int]) -> None:
