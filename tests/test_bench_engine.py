@@ -72,10 +72,15 @@ class _Event:
 
 def test_gpu_timeline_and_step_breakdown_by_hand():
     # Three steps: busy 0-2, 3-5, 5-8 ms: idle gaps of 1 and 0 ms over 6 ms from the first end to the last.
-    steps = [SimpleNamespace(gpu_events=(_Event(a), _Event(b))) for a, b in ((0, 2), (3, 5), (5, 8))]
+    steps = [SimpleNamespace(step=i, gpu_events=(_Event(a), _Event(b))) for i, (a, b) in enumerate(((0, 2), (3, 5),
+                                                                                                    (5, 8)))]
     t = gpu_timeline(steps)
     assert t == {"gpu_busy_ms": pytest.approx(7 / 3), "gpu_idle_ms": 0.5, "gpu_idle_share": pytest.approx(1 / 6)}
     assert gpu_timeline(steps[:1]) is None
+    # A step left out between two (a prefill) is not idle time: only adjacent steps pair up.
+    gap = [steps[0], SimpleNamespace(step=5, gpu_events=(_Event(20), _Event(21)))]
+    assert gpu_timeline(gap) is None
+    assert gpu_timeline(steps[:2] + gap[1:])["gpu_idle_ms"] == 1.0
     parts = dict(schedule=1e-3, prepare=2e-3, forward=1e-3, sample=0, wait=4e-3, update=1e-3)
     stat = SimpleNamespace(num_reqs=4, total=sum(parts.values()), **parts)
     b = step_breakdown([stat])

@@ -90,16 +90,21 @@ def _no_gc():
 
 
 def gpu_timeline(steps: Sequence[Any]) -> Optional[dict[str, float]]:
-    """From the CUDA events of consecutive steps (``StepStats.gpu_events``, recorded around each
-    step's device work): mean GPU busy time per step, mean idle gap between one step's end and
-    the next one's start (milliseconds), and the idle share of the time from one step's end to
-    the next one's end. None without events."""
-    events = [s.gpu_events for s in steps if s.gpu_events is not None]
-    if len(events) < 2:
+    """From the CUDA events of steps (``StepStats.gpu_events``, recorded around each step's device
+    work): mean GPU busy time per step, and over the pairs of consecutive steps (by
+    ``StepStats.step``) the mean idle gap between one step's end and the next one's start
+    (milliseconds), and the idle share of the time from one step's end to the next one's end.
+    None without such a pair."""
+    steps = [s for s in steps if s.gpu_events is not None]
+    # Pairs of steps that ran one right after the other (a step left out between two, a prefill
+    # say, would count as idle time).
+    pairs = [(a.gpu_events, b.gpu_events) for a, b in zip(steps, steps[1:])
+             if getattr(b, "step", 1) - getattr(a, "step", 0) == 1]
+    if not pairs:
         return None
-    busy = [start.elapsed_time(end) for start, end in events]
-    idle = [max(0.0, a[1].elapsed_time(b[0])) for a, b in zip(events, events[1:])]
-    span = sum(a[1].elapsed_time(b[1]) for a, b in zip(events, events[1:]))
+    busy = [start.elapsed_time(end) for start, end in (s.gpu_events for s in steps)]
+    idle = [max(0.0, a[1].elapsed_time(b[0])) for a, b in pairs]
+    span = sum(a[1].elapsed_time(b[1]) for a, b in pairs)
     return {"gpu_busy_ms": statistics.mean(busy), "gpu_idle_ms": statistics.mean(idle),
             "gpu_idle_share": sum(idle) / span if span > 0 else float("nan")}
 
