@@ -368,6 +368,11 @@ def test_bad_sampling_params(kwargs, error):
     (dict(preemption_mode="kill"), ValueError, "preemption_mode"),
     (dict(block_size=0), ValueError, "block_size"),
     (dict(max_model_len=10**6), ValueError, "context"),
+    (dict(core="v2"), ValueError, "core"),
+    (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
+    (dict(core="v0", async_scheduling=True), ValueError, "async_scheduling needs core='v1'"),
+    (dict(preemption_mode="swap"), ValueError, "recomputation only"),
+    (dict(record_gpu_time=1), TypeError, "record_gpu_time"),
 ])
 def test_bad_engine_arguments_fail_before_loading(monkeypatch, kwargs, error, match):
     import paged_attention.engine.llm as llm_module
