@@ -18,11 +18,10 @@ import torch
 from paged_attention.engine import LLM as _LLM
 from paged_attention.engine import SamplingParams
 from paged_attention.engine.llm_engine import LLMEngine as _LLMEngine
-from paged_attention.engine.llm_engine import SchedulerStalled
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.interfaces import AllocStatus
 from paged_attention.legacy.records import IGNORED, RECOMPUTED
-from paged_attention.legacy.scheduler import FcfsScheduler
+from paged_attention.legacy.scheduler import FcfsScheduler, SchedulerStalled
 from paged_attention.legacy.sequence import Sequence, SequenceGroup
 from paged_attention.utils import cdiv
 from tests.test_engine import TINY, assert_idle, prompts, tiny_model, tokens
@@ -86,10 +85,9 @@ def snapshot(llm: LLM) -> dict:
     return dict(
         steps=len(eng.history), stats=len(eng.step_stats), now=sched.now, groups=list(sched.groups),
         queues=(list(sched.waiting), list(sched.running), list(sched.swapped), list(sched.done_ids)),
-        requests=list(eng.requests), rows=dict(eng.runner.states.index_of),
+        requests=list(eng.requests), next_request=repr(llm._request_counter),
         free=(mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
         tables={s: list(t.physical_block_ids) for s, t in mgr.block_tables.items()},
-        next_ids=(repr(eng.core._seq_ids), repr(llm._request_counter)),
         caches=[t.clone() for layer in eng.kv_caches + eng.cpu_kv_caches for t in layer],
     )
 
@@ -176,13 +174,27 @@ def test_a_step_that_changes_nothing_ends_with_a_typed_error(model, monkeypatch)
     mgr = llm.engine.block_manager
     monkeypatch.setattr(mgr, "can_allocate", lambda *a, **k: AllocStatus.LATER)
     steps = limit_steps(llm, monkeypatch, bound=5)
-    with time_limit(60), pytest.raises(SchedulerStalled, match="scheduled nothing"):
+    with time_limit(60), pytest.raises(SchedulerStalled, match="would schedule nothing"):
         llm.generate(ps, GREEDY, use_tqdm=False)
     assert steps[0] == 1
     assert issubclass(SchedulerStalled, ValueError)
     assert_idle(llm)
     monkeypatch.undo()
     assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+
+
+def test_a_scheduler_that_would_change_nothing_raises_and_changes_nothing():
+    """Without an engine: the same guard in the scheduler itself (a simulation loops on it too)."""
+    mgr = SelfAttnBlockSpaceManager(4, 16, 0)
+    sched = FcfsScheduler(mgr)
+    sched.add_seq_group(SequenceGroup("a", [Sequence(0, [1, 2, 3], 4)]))
+    mgr.can_allocate = lambda *a, **k: AllocStatus.LATER              # planted: never room
+    for _ in range(2):
+        with pytest.raises(SchedulerStalled, match="a: needs 1 block"):
+            sched.schedule()
+        assert sched.now == 0 and not sched.history and sched.waiting == ["a"]
+    del mgr.can_allocate
+    assert [g.seq_group.request_id for g in sched.schedule().scheduled_seq_groups] == ["a"]
 
 
 def test_the_scheduler_drops_a_group_no_batch_can_take():
@@ -386,7 +398,7 @@ def fits(kw: dict, ps: list[list[int]], max_tokens: list[int], watermark_blocks:
     return all(runs(p, n) for p, n in zip(ps, max_tokens))
 
 
-def test_random_configurations_give_the_roomy_tokens_or_refuse_up_front(model, roomy):
+def test_random_configurations_give_the_roomy_tokens_or_refuse_up_front(model, roomy, monkeypatch):
     counts = {"ran": 0, "refused_config": 0, "refused_requests": 0, "preempted": 0, "idle_steps": 0}
     for seed in range(150):
         rng = random.Random(seed)
@@ -401,8 +413,10 @@ def test_random_configurations_give_the_roomy_tokens_or_refuse_up_front(model, r
         assert kw["max_num_batched_tokens"] >= kw["max_model_len"], case
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         before = snapshot(llm)
+        limit_steps(llm, monkeypatch, bound=2 * sum(max_tokens) + 1)
         try:
-            out = llm.generate(ps, params, use_tqdm=False)
+            with time_limit(120):
+                out = llm.generate(ps, params, use_tqdm=False)
         except ValueError:
             assert not fits(kw, ps, max_tokens, llm.engine.block_manager.watermark_blocks), case
             assert_unchanged(before, snapshot(llm))

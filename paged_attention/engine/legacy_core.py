@@ -27,8 +27,8 @@ import torch
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.kernels import reference
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
-from paged_attention.legacy.records import ABORTED, IGNORED, WAITED, StepRecord
-from paged_attention.legacy.scheduler import FcfsScheduler
+from paged_attention.legacy.records import ABORTED, IGNORED, StepRecord
+from paged_attention.legacy.scheduler import FcfsScheduler, SchedulerStalled
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.v1.core.sched.messages import EngineCoreOutput, ModelRunnerOutput
 from paged_attention.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -44,25 +44,6 @@ class LegacySchedulerOutput(SchedulerOutput):
     its keys and values must not be written again into a block other requests share."""
 
     no_kv_write_req_ids: set[str] = field(default_factory=set)
-
-
-class SchedulerStalled(ValueError, RuntimeError):
-    """A step scheduled nothing, moved nothing and ended nothing while requests were waiting:
-    the next step would be the same, and so on forever. The engine drops every request (its
-    blocks freed) and raises this instead of looping."""
-
-
-def _check_progress(record: StepRecord, scheduler: FcfsScheduler) -> None:
-    """Raise ``SchedulerStalled`` for a step that leaves the scheduler exactly as it found it
-    (nothing scheduled, no block moved, no event but "waited") while requests remain."""
-    if (record.scheduled_seq_groups or record.blocks_to_swap_in or record.blocks_to_swap_out
-            or record.blocks_to_copy or any(e.kind != WAITED for e in record.events)
-            or not scheduler.has_unfinished_seqs()):
-        return
-    why = "; ".join(f"{e.request_id}: {e.detail}" for e in record.events) or "no reason given"
-    raise SchedulerStalled(f"step {record.step} scheduled nothing while {len(record.waiting)} requests wait and "
-                           f"{len(record.swapped)} are swapped out, and the next would do the same ({why}); "
-                           f"every request was dropped")
 
 
 @dataclass
@@ -124,8 +105,7 @@ class LegacyCore:
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        record = self._record = self.scheduler.schedule()
-        _check_progress(record, self.scheduler)
+        record = self._record = self.scheduler.schedule()      # SchedulerStalled rather than spin
         self._move_blocks(record)
         so = LegacySchedulerOutput([], CachedRequestData.make_empty(), {}, 0, set())
         cached = so.scheduled_cached_reqs

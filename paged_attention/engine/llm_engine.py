@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from paged_attention.engine.legacy_core import SchedulerStalled
+from paged_attention.legacy.scheduler import SchedulerStalled
 from paged_attention.engine.model_runner import ModelRunner, RunnerOutput
 from paged_attention.engine.outputs import CompletionOutput, RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams

@@ -513,11 +513,11 @@ def check_copy_blocks(key_caches, value_caches, block_mapping) -> bool:
         no_broadcast_dims(f"value_caches[{i}]", v)
         if k.size(0) != key_caches[0].size(0) or v.size(0) != key_caches[0].size(0):
             raise ValueError(f"every layer's caches must have {key_caches[0].size(0)} blocks; layer {i} differs")
+    check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
     # One cache passed twice would be copied twice: with chained pairs (1 -> 2, 2 -> 3) the
     # second pass would copy what the first had just written.
     no_shared_memory({**{f"key_caches[{i}]": k for i, k in enumerate(key_caches)},
                       **{f"value_caches[{i}]": v for i, v in enumerate(value_caches)}})
-    check_block_mapping(block_mapping, key_caches[0].size(0), key_caches[0].size(0))
     return True
 
 

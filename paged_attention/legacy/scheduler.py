@@ -45,7 +45,13 @@ from paged_attention.legacy.records import (
 from paged_attention.legacy.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_attention.utils import Device, check_int
 
-__all__ = ["FcfsScheduler"]
+__all__ = ["FcfsScheduler", "SchedulerStalled"]
+
+
+class SchedulerStalled(ValueError, RuntimeError):
+    """``schedule()`` found nothing to do while groups wait: nothing to run, no block to move, no
+    group to drop. Nothing would change, so every later step would find the same, forever; it
+    raises this instead (leaving everything as it was). An engine drops its requests then."""
 
 
 def _blocks(n: int) -> str:
@@ -64,7 +70,8 @@ class FcfsScheduler:
     swap, so they may come back larger) is aborted too.
 
     Each step: ``add_seq_group`` for the groups that arrived, ``schedule()``, run the model on
-    the record, then ``update(record, sampled_token_ids, finished_seq_ids)``.
+    the record, then ``update(record, sampled_token_ids, finished_seq_ids)``. A step that would
+    change nothing while groups wait raises ``SchedulerStalled`` rather than repeat forever.
     """
 
     def __init__(self, block_manager: SelfAttnBlockSpaceManager, *, preemption_mode: str = "swap",
@@ -231,6 +238,13 @@ class FcfsScheduler:
             record.scheduled_seq_groups.append(ScheduledSequenceGroup(
                 group, chunk, is_prefill, record.num_cached_tokens.get(group.request_id, 0)))
             record.num_batched_tokens += chunk * len(seqs)
+
+        if not (record.scheduled_seq_groups or record.blocks_to_swap_in or record.blocks_to_swap_out
+                or record.blocks_to_copy or any(e.kind != WAITED for e in record.events)) and self.has_unfinished_seqs():
+            # Nothing changed, so every step after this one would be the same: say so, not loop.
+            why = "; ".join(f"{e.request_id}: {e.detail}" for e in record.events) or "no reason given"
+            raise SchedulerStalled(f"step {self.now} would schedule nothing while {len(self.waiting)} groups wait and "
+                                   f"{len(self.swapped)} are swapped out, and so would every step after it ({why})")
 
         # Prefix caching: the scheduled blocks count as computed from now on (as in V0, where
         # the scheduler did this once it had scheduled them), and every running sequence is

@@ -222,22 +222,6 @@ def choose_launch(device: torch.device, max_seq_len: int, num_splits: int = 1) -
     return (64, 4, 2) if num_splits > 1 else (64, 4, 3)
 
 
-def check_launch(launch: object) -> tuple[int, int, int]:
-    """A caller's ``(TILE_N, num_warps, num_stages)``, refused before anything compiles when
-    Triton could not build it: TILE_N a power of two in [16, 1024], num_warps a power of two in
-    [1, 32] (a block of at most 1024 threads), num_stages in [1, 8]."""
-    if not isinstance(launch, (tuple, list)) or len(launch) != 3 or not all(is_int(v) for v in launch):
-        raise TypeError(f"launch must be a tuple of three ints (TILE_N, num_warps, num_stages), got {launch!r}")
-    tile_n, num_warps, num_stages = map(int, launch)
-    if not 16 <= tile_n <= 1024 or tile_n & (tile_n - 1):
-        raise ValueError(f"TILE_N must be a power of two in [16, 1024], got {tile_n}")
-    if not 1 <= num_warps <= 32 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
-    if not 1 <= num_stages <= 8:
-        raise ValueError(f"num_stages must be in [1, 8], got {num_stages}")
-    return tile_n, num_warps, num_stages
-
-
 class DecodePlan:
     """A decode call checked and prepared once, then run many times (FlashInfer's plan/run split).
 
@@ -268,8 +252,9 @@ class DecodePlan:
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if num_seqs else 1
-        tile_n, num_warps, num_stages = (choose_launch(query.device, max_seq_len, num_splits) if launch is None
-                                         else check_launch(launch))
+        if launch is None:
+            launch = choose_launch(query.device, max_seq_len, num_splits)
+        tile_n, num_warps, num_stages = check_launch(launch)
         # Each split covers a whole number of tiles, so only a sequence's last tile is ragged.
         tokens_per_split = cdiv(cdiv(max(max_seq_len, 1), num_splits), tile_n) * tile_n
         self.num_splits = num_splits = cdiv(max(max_seq_len, 1), tokens_per_split)
@@ -336,6 +321,22 @@ class DecodePlan:
                             query if alibi_slopes is None else alibi_slopes)
         if self.num_splits > 1:
             self._merge.pinned(self._merge_grid, out, *parts)
+
+
+def check_launch(launch: object) -> tuple[int, int, int]:
+    """A caller's ``(TILE_N, num_warps, num_stages)``, refused before anything compiles when
+    Triton could not build it: TILE_N a power of two in [16, 1024], num_warps a power of two in
+    [1, 32] (a block of at most 1024 threads), num_stages in [1, 8]."""
+    if not isinstance(launch, (tuple, list)) or len(launch) != 3 or not all(is_int(v) for v in launch):
+        raise TypeError(f"launch must be a tuple of three ints (TILE_N, num_warps, num_stages), got {launch!r}")
+    tile_n, num_warps, num_stages = map(int, launch)
+    if not 16 <= tile_n <= 1024 or tile_n & (tile_n - 1):
+        raise ValueError(f"TILE_N must be a power of two in [16, 1024], got {tile_n}")
+    if not 1 <= num_warps <= 32 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+    if not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages must be in [1, 8], got {num_stages}")
+    return tile_n, num_warps, num_stages
 
 
 _RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes")
