@@ -58,7 +58,9 @@ class VllmAssertion(AssertionError):
 # ---- Argument checks shared by the block tables ---------------------------------------------------
 def is_int(x: object) -> bool:
     """A plain or numpy integer, but not a bool (``True`` is an int to Python)."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    # A plain int, by far the most common, answers at once (hot paths check every argument).
+    return type(x) is int or (isinstance(x, (int, np.integer))
+                              and not isinstance(x, (bool, np.bool_)))
 
 
 def check_int(name: str, value: object, minimum: int) -> int:

@@ -339,6 +339,11 @@ def test_bad_requests_are_refused_and_change_nothing():
         s.add_request(request("long", range(16)))
     with pytest.raises(TypeError):
         s.add_request("b")
+    tiny = scheduler(num_blocks=4, max_model_len=16)         # 3 usable blocks: 12 tokens
+    tiny.add_request(request("fits", range(4), max_tokens=8))
+    with pytest.raises(ValueError, match="blocks"):
+        tiny.add_request(request("never", range(4), max_tokens=9))
+    assert list(tiny.requests) == ["fits"]
     running = request("r", range(4))
     running.status = RequestStatus.RUNNING
     with pytest.raises(ValueError, match="not new"):

@@ -9,6 +9,7 @@ and hashes every newly full block.
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,18 @@ class ConstantList(Sequence):
         return f"ConstantList({self._items!r})"
 
 
+def _int_list(token_ids: Any) -> list[int] | None:
+    """``token_ids`` (a list or tuple) as a new list of plain ints, or None if it is not one
+    or holds something else than ints (a bool is not a token id)."""
+    if not isinstance(token_ids, (list, tuple)):
+        return None
+    ids = list(token_ids)
+    # The common case, all plain ints, is checked in C: a prompt can have many thousand tokens.
+    if operator.countOf(map(type, ids), int) == len(ids):
+        return ids
+    return [int(t) for t in ids] if all(is_int(t) for t in ids) else None
+
+
 class Request:
     """One generation request.
 
@@ -120,10 +133,10 @@ class Request:
         if not is_int(max_tokens) or max_tokens < 0:
             raise ValueError("sampling_params with an int max_tokens >= 0 is needed, got "
                              f"{sampling_params!r}")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                is_int(t) for t in prompt_token_ids):
+        ids = _int_list(prompt_token_ids)
+        if ids is None:
             raise TypeError("prompt_token_ids must be a list of ints")
-        if not prompt_token_ids:
+        if not ids:
             raise ValueError("the prompt must have at least one token")
         if block_hasher is not None and not callable(block_hasher):
             raise TypeError(f"block_hasher must be callable, got {block_hasher!r}")
@@ -141,10 +154,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.events: list = []
 
-        self.prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.prompt_token_ids = ids
+        self.num_prompt_tokens = len(ids)
         self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._all_token_ids: list[int] = ids.copy()
         # Tokens whose KV is in the cache (or scheduled to be, this step).
         self.num_computed_tokens = 0
         # Asynchronous scheduling: tokens sampled on the device but not yet known here.
@@ -161,6 +174,10 @@ class Request:
         self.skip_reading_prefix_cache = bool(
             getattr(sampling_params, "skip_reading_prefix_cache", False) or False)
 
+        # Read-only views of the two lists (made once: the lists are only ever extended).
+        self._output_view = ConstantList(self._output_token_ids)
+        self._all_view = ConstantList(self._all_token_ids)
+
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()
@@ -168,11 +185,11 @@ class Request:
     # Read-only views: appending goes through append_output_token_ids, which rehashes.
     @property
     def output_token_ids(self) -> ConstantList:
-        return ConstantList(self._output_token_ids)
+        return self._output_view
 
     @property
     def all_token_ids(self) -> ConstantList:
-        return ConstantList(self._all_token_ids)
+        return self._all_view
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +205,12 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Append sampled tokens (one or a list), and hash any block they fill."""
+        if type(token_ids) is int:
+            # One sampled token, the common case: no list to build and check.
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            self.update_block_hashes()
+            return
         new = [token_ids] if is_int(token_ids) else list(token_ids)
         if not all(is_int(t) for t in new):
             raise TypeError(f"token ids must be ints, got {token_ids!r}")

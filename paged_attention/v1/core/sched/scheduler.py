@@ -47,7 +47,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from paged_attention.utils import check_int
+from paged_attention.kv_cache.interface import FullAttentionSpec
+from paged_attention.utils import cdiv, check_int
 from paged_attention.v1.core.kv_cache_coordinator import default_block_sizes
 from paged_attention.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from paged_attention.v1.core.request import Request, RequestStatus
@@ -169,6 +170,12 @@ class Scheduler:
         self.scheduler_reserve_full_isl = scheduler_reserve_full_isl
         self.use_v2_model_runner = use_v2_model_runner
         self.kv_cache_config = kv_cache_config
+        # What one request needs at most: a block per block_size tokens in every full-attention
+        # group (sliding windows need fewer); block 0, the null block, is never handed out.
+        self._full_attention_block_sizes = [
+            g.kv_cache_spec.block_size for g in groups
+            if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+        self._usable_blocks = kv_cache_config.num_blocks - 1
 
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config=kv_cache_config,
@@ -197,9 +204,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a new request (it waits until ``schedule`` admits it).
 
-        Refused (ValueError, nothing queued): a request id already here, an empty prompt, or a
+        Refused (ValueError, nothing queued): a request id already here, an empty prompt, a
         prompt that leaves no room in ``max_model_len`` for one generated token (vLLM refuses
-        these before they reach its scheduler).
+        these before they reach its scheduler), or a request that could not fit in the KV cache
+        even alone, at its full length (its prompt and ``max_tokens``, up to ``max_model_len``):
+        it would wait, or be preempted, forever. vLLM has no such check in its scheduler; its
+        engine refuses to start unless a request of ``max_model_len`` tokens fits.
         """
         if not isinstance(request, Request):
             raise TypeError(f"add_request takes a Request, got {type(request).__name__}")
@@ -213,6 +223,11 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
+        longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        needed = sum(cdiv(longest, size) for size in self._full_attention_block_sizes)
+        if needed > self._usable_blocks:
+            raise ValueError(f"request {request.request_id!r} needs {needed} blocks at its full "
+                             f"length ({longest} tokens); the KV cache has {self._usable_blocks}")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -467,14 +482,19 @@ class Scheduler:
         num_computed_tokens: list[int] = []
         num_output_tokens: list[int] = []
         num_running = len(running_reqs)
+        # Most steps give most requests no new block: the manager's shared empty answer.
+        no_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+        send_all_tokens = not self.use_v2_model_runner
         for idx, req in enumerate(itertools.chain(running_reqs, resumed_reqs)):
             req_id = req.request_id
             req_ids.append(req_id)
             if idx >= num_running:
                 resumed_req_ids.add(req_id)
-            if not self.use_v2_model_runner and req_id not in self.prev_step_scheduled_req_ids:
+            if send_all_tokens and req_id not in self.prev_step_scheduled_req_ids:
                 all_token_ids[req_id] = list(req.all_token_ids)
-            new_block_ids.append(req_to_new_blocks[req_id].get_block_ids(allow_none=True))
+            blocks = req_to_new_blocks[req_id]
+            new_block_ids.append(None if blocks is no_blocks
+                                 else blocks.get_block_ids(allow_none=True))
             num_computed_tokens.append(req.num_computed_tokens)
             num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
         return CachedRequestData(req_ids=req_ids, resumed_req_ids=resumed_req_ids,
