@@ -114,6 +114,23 @@ def test_batched_equals_solo(model, kw):
     assert_idle(llm)
 
 
+def test_the_cores_and_async_scheduling_agree(model):
+    """V0's scheduler, V1's, and V1's one step ahead: the same tokens for the same requests, with
+    shared prefixes, uneven lengths and early stops, in a pool tight enough to preempt."""
+    system = prompts(1, length=20, seed=25)[0]
+    ps = prompts(3, seed=26) + prompts(3, length=3, seed=27, prefix=system)
+    free = tokens(engine(model).generate(ps, GREEDY, use_tqdm=False))
+    stop = free[0][3]                                      # ends some requests early, not all
+    params = [SamplingParams(temperature=0, max_tokens=8 + 2 * i, stop_token_ids=[stop]) for i in range(len(ps))]
+    runs = {}
+    for kw, name in zip(CORES, CORE_IDS):
+        llm = engine(model, num_gpu_blocks=14, block_size=8, **kw)
+        runs[name] = tokens(llm.generate(ps, params, use_tqdm=False))
+        assert llm.engine.runner.num_preemptions > 0, name
+    assert runs["v0"] == runs["v1-sync"] == runs["v1-async"]
+    assert any(len(t) < p.max_tokens for t, p in zip(runs["v0"], params))      # some stopped early
+
+
 def test_outputs_in_input_order_with_their_fields(model):
     ps = prompts(4, seed=2)
     lens = [3, 9, 1, 5]
