@@ -390,6 +390,7 @@ def test_bad_sampling_params(kwargs, error):
     (dict(core="v0", async_scheduling=True), ValueError, "async_scheduling needs core='v1'"),
     (dict(preemption_mode="swap"), ValueError, "recomputation only"),
     (dict(record_gpu_time=1), TypeError, "record_gpu_time"),
+    (dict(num_cpu_blocks=8), ValueError, "swap pool"),
 ])
 def test_bad_engine_arguments_fail_before_loading(monkeypatch, kwargs, error, match):
     import paged_attention.engine.llm as llm_module

@@ -24,7 +24,7 @@ from paged_attention.engine.outputs import RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.model import LlamaForCausalLM, Tokenizer, kv_cache_bytes_per_block, load_gguf
 from paged_attention.model.llama import resolve_device, resolve_dtype
-from paged_attention.utils import cdiv, check_int
+from paged_attention.utils import cdiv, check_int, is_int
 
 PromptType = Union[str, list[int], dict]
 _GiB = 1 << 30
@@ -88,6 +88,9 @@ class LLM:
                              "before it schedules the next")
         if preemption_mode not in (None, "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}")
+        if core == "v1" and is_int(num_cpu_blocks) and num_cpu_blocks > 0:
+            raise ValueError(f"num_cpu_blocks={num_cpu_blocks} is a swap pool, which only the V0 core has; pass "
+                             f"core='v0' (or no num_cpu_blocks)")
         if core == "v1" and preemption_mode == "swap":
             raise ValueError("the V1 core preempts by recomputation only (it has no swap pool); use core='v0' "
                              "for preemption_mode='swap'")

@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 
-from paged_attention.legacy.scheduler import SchedulerStalled
 from paged_attention.engine.model_runner import ModelRunner, RunnerOutput
 from paged_attention.engine.outputs import CompletionOutput, RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
+from paged_attention.legacy.scheduler import SchedulerStalled
 from paged_attention.model import LlamaForCausalLM, allocate_kv_caches
 from paged_attention.utils import cdiv
 from paged_attention.v1.core.sched.messages import EngineCoreOutput
@@ -102,6 +102,8 @@ class LLMEngine:
         if async_scheduling and core == "v0":
             raise ValueError("async_scheduling needs core='v1': the V0 scheduler appends each step's tokens "
                              "before it schedules the next")
+        if core == "v1" and preemption_mode not in (None, "recompute"):
+            raise ValueError("the V1 core preempts by recomputation only; use core='v0' for swapping")
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -124,8 +126,6 @@ class LLMEngine:
                                    record_block_owners=record_block_owners)
         else:
             from paged_attention.engine.v1_core import V1Core
-            if preemption_mode not in (None, "recompute"):
-                raise ValueError("the V1 core preempts by recomputation only; use core='v0' for swapping")
             self.cpu_kv_caches = []
             self.core = V1Core(model.config, model.dtype, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
@@ -140,16 +140,24 @@ class LLMEngine:
     # What the legacy core shows (the V0 chapter's drawings read these).
     @property
     def block_manager(self):
-        return self.core.block_manager
+        """The legacy core's block manager (V1's KV-cache manager: ``core.kv_cache_manager``)."""
+        return self._legacy("block_manager")
+
+    @property
+    def history(self) -> list:
+        """The legacy core's ``StepRecord`` of every step (events, block owners, free counts)."""
+        return self._legacy("history")
+
+    def _legacy(self, name: str):
+        if self.core_name != "v0":
+            raise AttributeError(f"engine.{name} is the legacy core's: pass core='v0' to LLM for vLLM V0's "
+                                 f"scheduler and block manager (the V1 core's are engine.core.scheduler and "
+                                 f"engine.core.kv_cache_manager)")
+        return getattr(self.core, name)
 
     @property
     def scheduler(self):
         return self.core.scheduler
-
-    @property
-    def history(self) -> list:
-        """Every step's ``StepRecord`` (events, block owners, free counts), for the drawings."""
-        return self.core.history
 
     @property
     def tables(self):
