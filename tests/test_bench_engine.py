@@ -1,5 +1,5 @@
-"""The engine benchmark's pieces: the script runs (a tiny CPU configuration), the memory
-arithmetic, and its drawing."""
+"""The engine benchmark's pieces: the script runs (a tiny CPU configuration) and writes its log and
+every figure, the memory arithmetic, the GPU timeline from events, and the drawings."""
 from __future__ import annotations
 
 import json
@@ -7,28 +7,40 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from paged_attention.bench.engine import kv_capacity
+from paged_attention.bench.engine import ABLATION, gpu_timeline, kv_capacity, random_workload, step_breakdown
 from paged_attention.model import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_smoke_run_prints_and_writes_every_figure(tmp_path):
-    out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu"})
+    # One thread: a tiny run, and a busy shared CPU makes torch's thread pool wait for its threads.
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    results = json.loads(out.read_text())
+    results = json.loads((tmp_path / "bench_engine.json").read_text())
     assert [r["requests"] for r in results["rows"]] == [1, 2]
     for row in results["rows"]:
-        assert row["engine"]["tokens_per_s"] > 0 and row["hf_dynamic"]["tokens_per_s"] > 0
-        assert row["engine"]["num_tokens"] == row["hf_dynamic"]["num_tokens"] == 4 * row["requests"]
+        e = row["engine"]
+        assert e["tokens_per_s"] > 0 and row["hf_dynamic"]["tokens_per_s"] > 0
+        assert e["num_tokens"] == row["hf_dynamic"]["num_tokens"] == 4 * row["requests"]
+        assert e["core"] == "v1" and e["async_scheduling"] and e["python_us_per_seq"] > 0
+    nano = results["nano"]["engine"]
+    assert results["nano"]["requests"] == 3 and 12 <= nano["num_tokens"] <= 36
+    abl = results["ablation"]["rows"]
+    assert [r["name"] for r in abl] == [name for name, _ in ABLATION]
+    assert all(r["num_tokens"] == 2 * 4 for r in abl)
+    assert [(r["core"], r["async_scheduling"]) for r in abl] == [("v0", False), ("v1", False), ("v1", True),
+                                                                  ("v1", True)]
     assert results["memory"]["paged"] > results["memory"]["contiguous"]
+    log = (tmp_path / "bench_engine.log").read_text()
+    assert "engine tok/s" in log and "nano-vllm workload" in log and "ablation" in log
     assert "engine tok/s" in done.stdout
 
 
@@ -40,6 +52,42 @@ def test_kv_capacity_by_hand():
     assert cap["contiguous"] == 4             # 1 MiB / (512 * 512 reserved tokens)
 
 
+def test_random_workload_draws_in_range_and_repeats():
+    prompts, lens = random_workload(50, 100, 1024, 500, seed=3)
+    assert len(prompts) == len(lens) == 50
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= n <= 1024 for n in lens)
+    assert len({len(p) for p in prompts}) > 30                    # lengths do vary
+    assert random_workload(50, 100, 1024, 500, seed=3) == (prompts, lens)
+
+
+class _Event:
+    """A CUDA event's stand-in: a time in milliseconds."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return other.t - self.t
+
+
+def test_gpu_timeline_and_step_breakdown_by_hand():
+    # Three steps: busy 0-2, 3-5, 5-8 ms: idle gaps of 1 and 0 ms over 6 ms from the first end to the last.
+    steps = [SimpleNamespace(step=i, gpu_events=(_Event(a), _Event(b))) for i, (a, b) in enumerate(((0, 2), (3, 5),
+                                                                                                    (5, 8)))]
+    t = gpu_timeline(steps)
+    assert t == {"gpu_busy_ms": pytest.approx(7 / 3), "gpu_idle_ms": 0.5, "gpu_idle_share": pytest.approx(1 / 6)}
+    assert gpu_timeline(steps[:1]) is None
+    # A step left out between two (a prefill) is not idle time: only adjacent steps pair up.
+    gap = [steps[0], SimpleNamespace(step=5, gpu_events=(_Event(20), _Event(21)))]
+    assert gpu_timeline(gap) is None
+    assert gpu_timeline(steps[:2] + gap[1:])["gpu_idle_ms"] == 1.0
+    parts = dict(schedule=1e-3, prepare=2e-3, forward=1e-3, sample=0, wait=4e-3, update=1e-3)
+    stat = SimpleNamespace(num_reqs=4, total=sum(parts.values()), **parts)
+    b = step_breakdown([stat])
+    assert b["host_ms"] == pytest.approx(5.0) and b["wait_ms"] == pytest.approx(4.0)
+    assert b["python_us_per_seq"] == pytest.approx(1250)           # 5 ms of host time over 4 requests
+
+
 def test_throughput_drawing_has_a_line_per_system():
     from paged_attention.viz import draw_engine_throughput
     rows = [{"requests": n, "engine": {"tokens_per_s": 100.0 * n}, "hf_dynamic": {"tokens_per_s": 10.0 * n},
@@ -48,3 +96,24 @@ def test_throughput_drawing_has_a_line_per_system():
     assert len(ax.get_lines()) == 3
     with pytest.raises(ValueError):
         draw_engine_throughput({"rows": []})
+
+
+def test_ablation_drawing_has_a_bar_per_configuration_and_part():
+    from paged_attention.viz.engine_ablation import draw_engine_ablation
+    parts = dict(schedule_ms=1.0, prepare_ms=0.5, forward_ms=0.2, sample_ms=0.1, update_ms=0.4, wait_ms=2.0)
+    rows = [{"name": name, "tokens_per_s": 1000.0 * (i + 1), **parts} for i, (name, _) in enumerate(ABLATION)]
+    rows[-1].update(gpu_busy_ms=3.0, gpu_idle_ms=0.3)
+    left, right = draw_engine_ablation({"requests": 256, "prompt_len": 128, "max_tokens": 128, "rows": rows})
+    assert len(left.patches) == 4 and [p.get_width() for p in left.patches] == [4000, 3000, 2000, 1000]
+    assert len(right.patches) == 4 * 6 + 2            # six host parts each; the GPU's two parts once
+    gpu = right.patches[6:8]                          # the last configuration is drawn first, host then GPU
+    assert gpu[0].get_width() == 3.0 and gpu[1].get_x() == 3.0 and gpu[1].get_width() == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="ablation"):
+        draw_engine_ablation({"rows": [{"tokens_per_s": 1.0}]})
+
+
+def test_committed_results_are_read_where_present(tmp_path):
+    from paged_attention.bench.engine import load_results
+    assert load_results(tmp_path / "none.json") is None
+    (tmp_path / "r.json").write_text(json.dumps({"ablation": {"rows": []}}))
+    assert load_results(tmp_path / "r.json") == {"ablation": {"rows": []}}

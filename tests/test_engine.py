@@ -3,9 +3,10 @@
 Most cases run a tiny random Llama (2 layers, fp32), fast enough to drive hundreds of steps:
 paged generation equals a dense contiguous-cache forward, batched equals solo, the prefix cache
 and preemption (by swap and by recompute) change no token, and neither do the block size, the
-table classes or the attention kernels. Bad input is refused before anything runs and leaves the
-engine as it was. The real SmolLM2 then answers, and its greedy tokens equal those of Hugging Face
-``transformers`` loading the same GGUF file.
+table classes, the attention kernels, the core (V0's scheduler and block manager, or V1's) or
+async scheduling. Bad input is refused before anything runs and leaves the engine as it was.
+The real SmolLM2 then answers, and its greedy tokens equal those of Hugging Face
+``transformers`` loading the same GGUF file. (The model runner's own pieces: test_engine_runner.py.)
 """
 from __future__ import annotations
 
@@ -65,39 +66,69 @@ def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# The cores and scheduling modes every invariance is checked under.
+CORES = [dict(core="v0"), dict(core="v1", async_scheduling=False), dict(core="v1", async_scheduling=True)]
+CORE_IDS = ["v0", "v1-sync", "v1-async"]
+
+
 def engine(model: LlamaForCausalLM, **kw) -> LLM:
     kw.setdefault("num_gpu_blocks", 64)
-    kw.setdefault("num_cpu_blocks", 32)
+    kw.setdefault("num_cpu_blocks", 32 if kw.get("core") == "v0" else 0)
     return LLM(model, **kw)
 
 
 def assert_idle(llm: LLM) -> None:
-    """No request left behind, every block back in its pool."""
-    mgr = llm.engine.block_manager
-    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
-    assert mgr.get_num_free_gpu_blocks() == mgr.num_total_gpu_blocks
-    assert mgr.get_num_free_cpu_blocks() == mgr.num_total_cpu_blocks
-    assert not mgr.block_tables
+    """No request left behind, every block back in its pool, no request state held."""
+    eng = llm.engine
+    assert not eng.has_unfinished_requests() and not eng.requests
+    if eng.core_name == "v0":
+        mgr = eng.block_manager
+        assert mgr.get_num_free_gpu_blocks() == mgr.num_total_gpu_blocks
+        assert mgr.get_num_free_cpu_blocks() == mgr.num_total_cpu_blocks
+        assert not mgr.block_tables
+    else:
+        pool = eng.core.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1          # all but the null block
+        assert not eng.core.scheduler.requests
 
 
 # --------------------------------------------------------------------------------------------
 # Paged equals dense; batched equals solo; the outputs
 # --------------------------------------------------------------------------------------------
 
-def test_paged_equals_dense(model):
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_paged_equals_dense(model, kw):
     ps = prompts(3)
-    out = engine(model).generate(ps, GREEDY, use_tqdm=False)
+    out = engine(model, **kw).generate(ps, GREEDY, use_tqdm=False)
     for p, o in zip(ps, out):
         assert o.outputs[0].token_ids == dense_generate(TINY, W, p, GREEDY.max_tokens)
 
 
-def test_batched_equals_solo(model):
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_batched_equals_solo(model, kw):
     ps = prompts(5, seed=1)
-    llm = engine(model)
+    llm = engine(model, **kw)
     batched = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
     solo = [tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in ps]
     assert batched == solo
     assert_idle(llm)
+
+
+def test_the_cores_and_async_scheduling_agree(model):
+    """V0's scheduler, V1's, and V1's one step ahead: the same tokens for the same requests, with
+    shared prefixes, uneven lengths and early stops, in a pool tight enough to preempt."""
+    system = prompts(1, length=20, seed=25)[0]
+    ps = prompts(3, seed=26) + prompts(3, length=3, seed=27, prefix=system)
+    free = tokens(engine(model).generate(ps, GREEDY, use_tqdm=False))
+    stop = free[0][3]                                      # ends some requests early, not all
+    params = [SamplingParams(temperature=0, max_tokens=8 + 2 * i, stop_token_ids=[stop]) for i in range(len(ps))]
+    runs = {}
+    for kw, name in zip(CORES, CORE_IDS):
+        llm = engine(model, num_gpu_blocks=14, block_size=8, **kw)
+        runs[name] = tokens(llm.generate(ps, params, use_tqdm=False))
+        assert llm.engine.runner.num_preemptions > 0, name
+    assert runs["v0"] == runs["v1-sync"] == runs["v1-async"]
+    assert any(len(t) < p.max_tokens for t, p in zip(runs["v0"], params))      # some stopped early
 
 
 def test_outputs_in_input_order_with_their_fields(model):
@@ -115,16 +146,17 @@ def test_outputs_in_input_order_with_their_fields(model):
     assert tokens(as_dict) == tokens(single)
 
 
-def test_stop_tokens_and_ignore_eos(model):
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_stop_tokens_and_ignore_eos(model, kw):
     p = prompts(1, seed=3)[0]
-    free = tokens(engine(model).generate(p, GREEDY, use_tqdm=False))[0]
+    free = tokens(engine(model, **kw).generate(p, GREEDY, use_tqdm=False))[0]
     stop = free[4]
     first = free.index(stop)
-    out = engine(model).generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]),
-                                 use_tqdm=False)[0].outputs[0]
+    out = engine(model, **kw).generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]),
+                                       use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"   # the stop token is kept
     # The model's end token stops a request unless ignore_eos.
-    llm = engine(model)
+    llm = engine(model, **kw)
     llm.engine.eos_token_ids = frozenset({stop})
     assert tokens(llm.generate(p, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False))[0] == free[:first + 1]
     assert tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] == free
@@ -159,20 +191,27 @@ def test_top_p_keeps_the_most_likely_tokens():
 
 def test_batch_limits(model):
     ps = prompts(5, seed=6)
-    llm = engine(model, max_num_seqs=2)
+    llm = engine(model, max_num_seqs=2, core="v0")
     out = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
     assert max(len(r.running) for r in llm.engine.history) == 2
     assert all(r.owners_recorded for r in llm.engine.history)
-    quiet = engine(model, record_block_owners=False)
+    quiet = engine(model, record_block_owners=False, core="v0")
     assert tokens(quiet.generate(ps, GREEDY, use_tqdm=False)) == out
     assert not any(r.gpu_owners for r in quiet.engine.history)
     from paged_attention.viz import draw_pool_over_time
     with pytest.raises(ValueError, match="record_block_owners"):      # no empty picture passed off as real
         draw_pool_over_time(quiet.engine.history, 64)
     # At most 48 new tokens a step (no less than max_model_len, as vLLM V0 asks).
-    llm2 = engine(model, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=48)
+    llm2 = engine(model, max_num_seqs=4, max_num_batched_tokens=48, max_model_len=48, core="v0")
     assert tokens(llm2.generate(ps, GREEDY, use_tqdm=False)) == out
     assert max(s.num_tokens for s in llm2.engine.step_stats) <= 48
+    # V1: the same limits, and prompts longer than a step's budget run in chunks.
+    for asynchronous in (False, True):
+        v1 = engine(model, max_num_seqs=2, max_num_batched_tokens=16, async_scheduling=asynchronous)
+        assert tokens(v1.generate(ps, GREEDY, use_tqdm=False)) == out
+        stats = v1.engine.step_stats
+        assert max(s.num_reqs for s in stats) == 2 and max(s.num_tokens for s in stats) <= 16
+        assert sum(not s.decode_only for s in stats) > len(ps)           # prompts of 20+ tokens: chunks
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,7 +221,8 @@ def test_batch_limits(model):
 def test_prefix_cache_on_equals_off(model):
     system = prompts(1, length=40, seed=7)[0]
     ps = prompts(4, length=5, seed=8, prefix=system) + [system[:32]]      # the last: a whole-prompt hit
-    on, off = engine(model, enable_prefix_caching=True), engine(model, enable_prefix_caching=False)
+    on = engine(model, enable_prefix_caching=True, core="v0")
+    off = engine(model, enable_prefix_caching=False, core="v0")
     out_on = on.generate(ps, GREEDY, use_tqdm=False)
     assert tokens(out_on) == tokens(off.generate(ps, GREEDY, use_tqdm=False))
     # All five are admitted in the same step: they share the prompt's full blocks (one physical
@@ -196,9 +236,28 @@ def test_prefix_cache_on_equals_off(model):
     # last token is run again for its logits, its KV not rewritten).
     assert [len(p) for p in ps] == [45, 48, 51, 54, 32]
     assert [o.num_cached_tokens for o in again] == [32, 48, 48, 48, 32]
-    one_by_one = engine(model, max_num_seqs=1)
+    one_by_one = engine(model, max_num_seqs=1, core="v0")
     out = one_by_one.generate(ps, GREEDY, use_tqdm=False)
     assert tokens(out) == tokens(out_on) and [o.num_cached_tokens for o in out] == [0, 32, 32, 32, 32]
+    assert_idle(on)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_v1_prefix_cache_on_equals_off(model, asynchronous):
+    """V1 caches a block as soon as it is allocated (requests admitted in one step share their
+    prompt's full blocks as hits), and never the whole prompt: the last token always runs."""
+    system = prompts(1, length=40, seed=7)[0]
+    ps = prompts(4, length=5, seed=8, prefix=system) + [system[:32]]
+    on = engine(model, enable_prefix_caching=True, async_scheduling=asynchronous)
+    off = engine(model, enable_prefix_caching=False, async_scheduling=asynchronous)
+    out_on = on.generate(ps, GREEDY, use_tqdm=False)
+    assert tokens(out_on) == tokens(off.generate(ps, GREEDY, use_tqdm=False))
+    assert [o.num_cached_tokens for o in out_on] == [0, 32, 32, 32, 16]
+    again = on.generate(ps, GREEDY, use_tqdm=False)
+    assert tokens(again) == tokens(out_on)
+    # Prompts of 45, 48, 51, 54 and 32 tokens: every full block but a last one that would cover
+    # the whole prompt (48 -> 32, 32 -> 16).
+    assert [o.num_cached_tokens for o in again] == [32, 32, 48, 48, 16]
     assert_idle(on)
 
 
@@ -207,7 +266,7 @@ def test_preemption_changes_no_token(model, mode):
     ps = prompts(4, length=30, seed=9)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     roomy = tokens(engine(model, num_gpu_blocks=64).generate(ps, params, use_tqdm=False))
-    llm = engine(model, num_gpu_blocks=14, num_cpu_blocks=16, block_size=8, preemption_mode=mode)
+    llm = engine(model, num_gpu_blocks=14, num_cpu_blocks=16, block_size=8, preemption_mode=mode, core="v0")
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == roomy
     kinds = {e.kind for r in llm.engine.history for e in r.events}
     if mode == "swap":
@@ -217,10 +276,23 @@ def test_preemption_changes_no_token(model, mode):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_v1_preemption_changes_no_token(model, asynchronous):
+    """A tight pool: V1 preempts the newest request by recomputation (and under async
+    scheduling, while its next token is still being sampled); the tokens are a roomy pool's."""
+    ps = prompts(4, length=30, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = tokens(engine(model, num_gpu_blocks=64).generate(ps, params, use_tqdm=False))
+    llm = engine(model, num_gpu_blocks=15, block_size=8, async_scheduling=asynchronous)
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == roomy
+    assert llm.engine.runner.num_preemptions > 0
+    assert_idle(llm)
+
+
 def test_swap_moves_the_real_cache(model):
     """A swapped-out request's blocks are on the CPU pool, bit for bit, while it waits."""
     ps = prompts(4, length=30, seed=9)
-    llm = engine(model, num_gpu_blocks=14, num_cpu_blocks=16, block_size=8)
+    llm = engine(model, num_gpu_blocks=14, num_cpu_blocks=16, block_size=8, core="v0")
     eng = llm.engine
     for i, p in enumerate(ps):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -266,11 +338,12 @@ def test_reference_and_triton_attention_agree():
 # Bad input: a typed error before anything runs, the engine usable afterwards
 # --------------------------------------------------------------------------------------------
 
-def test_bad_requests_are_refused_before_anything_runs(model):
-    llm = engine(model, num_gpu_blocks=8, block_size=8, max_model_len=100)
+@pytest.mark.parametrize("core", ["v0", "v1"])
+def test_bad_requests_are_refused_before_anything_runs(model, core):
+    llm = engine(model, num_gpu_blocks=8, block_size=8, max_model_len=100, core=core)
     ok = prompts(1, seed=13)[0]
     want = tokens(llm.generate(ok, GREEDY, use_tqdm=False))
-    steps = len(llm.engine.history)
+    steps = len(llm.engine.step_stats)
     bad = [
         ([], ValueError, "no prompts"),
         ([[]], ValueError, "empty"),
@@ -288,7 +361,7 @@ def test_bad_requests_are_refused_before_anything_runs(model):
             llm.generate(prompt, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate([ok], [GREEDY, GREEDY], use_tqdm=False)
-    assert len(llm.engine.history) == steps        # nothing was scheduled
+    assert len(llm.engine.step_stats) == steps     # nothing was scheduled
     assert_idle(llm)
     assert tokens(llm.generate(ok, GREEDY, use_tqdm=False)) == want
 
@@ -312,6 +385,12 @@ def test_bad_sampling_params(kwargs, error):
     (dict(preemption_mode="kill"), ValueError, "preemption_mode"),
     (dict(block_size=0), ValueError, "block_size"),
     (dict(max_model_len=10**6), ValueError, "context"),
+    (dict(core="v2"), ValueError, "core"),
+    (dict(async_scheduling="yes"), TypeError, "async_scheduling"),
+    (dict(core="v0", async_scheduling=True), ValueError, "async_scheduling needs core='v1'"),
+    (dict(preemption_mode="swap"), ValueError, "recomputation only"),
+    (dict(record_gpu_time=1), TypeError, "record_gpu_time"),
+    (dict(num_cpu_blocks=8), ValueError, "swap pool"),
 ])
 def test_bad_engine_arguments_fail_before_loading(monkeypatch, kwargs, error, match):
     import paged_attention.engine.llm as llm_module
@@ -329,29 +408,56 @@ def test_gpu_only_attention_on_the_cpu_is_unavailable(model):
         LLM(attention="cuda", device="cpu")
 
 
-def test_a_failing_step_frees_its_blocks(model, monkeypatch):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_v1_core_that_schedules_nothing_ends_with_a_typed_error(model, monkeypatch, asynchronous):
+    """A core that stops scheduling (planted: its scheduler hands out empty steps) must not make
+    ``generate`` spin: a few empty steps, then ``SchedulerStalled``, the engine idle and usable."""
+    from paged_attention.engine.llm_engine import SchedulerStalled
+    from paged_attention.v1.core.sched.output import SchedulerOutput
+    llm = engine(model, async_scheduling=asynchronous)
+    ps = prompts(2, seed=19)
+    want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
+    eng, ran = llm.engine, len(llm.engine.step_stats)
+    monkeypatch.setattr(eng.core.scheduler, "schedule", SchedulerOutput.make_empty)
+    calls, step = [0], eng.step
+
+    def counted():
+        calls[0] += 1
+        return step()
+    monkeypatch.setattr(eng, "step", counted)
+    with pytest.raises(SchedulerStalled, match="scheduled nothing"):
+        llm.generate(ps, GREEDY, use_tqdm=False)
+    assert calls[0] <= 5 and len(eng.step_stats) == ran                      # a few empty steps, none recorded
+    monkeypatch.undo()
+    assert_idle(llm)
+    assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == want
+
+
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_a_failing_step_frees_its_blocks(model, monkeypatch, kw):
     system = prompts(1, length=40, seed=14)[0]
     ps = prompts(3, length=6, seed=15, prefix=system)
-    llm = engine(model)
+    llm = engine(model, **kw)
     want = tokens(llm.generate(ps, GREEDY, use_tqdm=False))
-    llm.engine.block_manager.reset_prefix_cache()
+    llm.engine.core.abort_all()                    # forget the prefix cache
     calls = {"n": 0}
-    forward = model.forward
+    forward = model.hidden_states
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("the GPU fell over")
         return forward(*args, **kwargs)
-    monkeypatch.setattr(model, "forward", flaky)
+    monkeypatch.setattr(model, "hidden_states", flaky)
     with pytest.raises(RuntimeError, match="fell over"):
         llm.generate(ps, GREEDY, use_tqdm=False)
     assert_idle(llm)
-    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(model, "hidden_states", forward)
     out = llm.generate(ps, GREEDY, use_tqdm=False)
     # The failed step's blocks were marked computed before its KV was written: the prefix cache
     # was emptied, so nothing half-written is offered now.
     assert tokens(out) == want and out[0].num_cached_tokens == 0
+    assert_idle(llm)
 
 
 # --------------------------------------------------------------------------------------------
@@ -404,13 +510,28 @@ def test_real_model_batched_equals_solo_and_text_equals_ids(smollm):
 # --------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_cuda_graph_decode_equals_eager():
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_cuda_graph_decode_equals_eager(kw):
+    """On the GPU (Triton kernels, fp32, fused layer operations): decode steps replayed from graphs
+    of padded buckets give the eager tokens, under each core, in a roomy and in a tight pool, with
+    shared prefixes; the CPU reference agrees."""
     m = tiny_model("triton", runtime.DEVICE)
-    ps = prompts(5, seed=16)
-    eager = tokens(engine(m, cuda_graphs=False).generate(ps, GREEDY, use_tqdm=False))
-    llm = engine(m, cuda_graphs=True)
-    assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == eager
+    assert m.fused
+    system = prompts(1, length=24, seed=16)[0]
+    ps = prompts(5, seed=17) + prompts(2, length=4, seed=18, prefix=system)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = tokens(engine(tiny_model(), **kw).generate(ps, params, use_tqdm=False))          # CPU, reference
+    eager = tokens(engine(m, cuda_graphs=False, **kw).generate(ps, params, use_tqdm=False))
+    llm = engine(m, cuda_graphs=True, record_gpu_time=True, **kw)
+    assert tokens(llm.generate(ps, params, use_tqdm=False)) == eager == want
     assert any(s.cuda_graph for s in llm.engine.step_stats)
+    assert {key[0] for key in llm.engine.runner.graphs.graphs} >= {8}          # 7 requests padded to 8
+    tight = engine(m, cuda_graphs=True, num_gpu_blocks=20, block_size=8, **kw)
+    assert tokens(tight.generate(ps, params, use_tqdm=False)) == want
+    assert tight.engine.runner.num_preemptions > 0
+    from paged_attention.bench.engine import gpu_timeline
+    timeline = gpu_timeline([s for s in llm.engine.step_stats if s.decode_only])
+    assert timeline is not None and timeline["gpu_busy_ms"] > 0 and 0 <= timeline["gpu_idle_share"] < 1
 
 
 @pytest.mark.cuda

@@ -15,8 +15,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from paged_attention.engine import LLM, SamplingParams
-from paged_attention.engine.llm_engine import LLMEngine
+from paged_attention.engine import LLM as _LLM
+from paged_attention.engine import SamplingParams
+from paged_attention.engine.llm_engine import LLMEngine as _LLMEngine
 from paged_attention.legacy.block_manager import SelfAttnBlockSpaceManager
 from paged_attention.legacy.interfaces import AllocStatus
 from paged_attention.legacy.records import IGNORED, RECOMPUTED
@@ -26,6 +27,16 @@ from paged_attention.utils import cdiv
 from tests.test_engine import TINY, assert_idle, prompts, tiny_model, tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+# These cases drive vLLM V0's scheduler and block manager (its queues, swap pool and records):
+# the legacy core, now that V1's is the default.
+def LLM(*args, **kwargs) -> _LLM:  # noqa: N802
+    return _LLM(*args, **{"core": "v0", **kwargs})
+
+
+def LLMEngine(*args, **kwargs) -> _LLMEngine:  # noqa: N802
+    return _LLMEngine(*args, **{"core": "v0", **kwargs})
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from paged_attention.v1.core import oracle
 from paged_attention.v1.core.sched import differential as d
-from paged_attention.v1.core.sched.scheduler import Scheduler, StepPlan
+from paged_attention.v1.core.sched.scheduler import Scheduler, StepBudget
 
 OK, WHY = oracle.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"vLLM's core not available: {WHY}")
@@ -100,7 +100,7 @@ class AdmitsBeforeDecoding(Scheduler):
 
     def schedule(self):
         self.kv_cache_manager.new_step_starts()
-        step = StepPlan(self.max_num_scheduled_tokens, self.long_prefill_token_threshold)
+        step = StepBudget(self.max_num_scheduled_tokens, self.long_prefill_token_threshold)
         running = list(self.running)
         self._schedule_waiting(step)
         admitted = self.running[len(running):]

@@ -1,27 +1,56 @@
-"""The engine against Hugging Face ``transformers``: the same model, the same prompts, one process.
+"""The engine against Hugging Face ``transformers``, and the engine against itself (the ablation).
 
-``run_engine`` times ``LLM.generate`` (after a warm-up call that compiles the kernels and captures
-the CUDA graphs), ``run_transformers`` a batched greedy ``model.generate`` with its dynamic or its
-static cache (same warm-up). Both generate exactly ``max_tokens`` tokens per request (end tokens
-ignored), so output tokens/s compare like for like. ``kv_capacity`` answers the PagedAttention
-paper's memory question (its Fig. 13): how many requests a fixed KV budget holds with paging,
-against a contiguous reservation of the model's whole context per request.
+``run_engine`` times ``LLM.generate`` (after a warm-up call on other prompts of the same shape,
+which compiles the kernels and captures the CUDA graphs) and reports where a decode step's time
+goes: the host's parts (``StepStats``) and, where the engine recorded CUDA events around each
+step's device work, how long the GPU was busy and how long it sat idle between two steps.
+``run_transformers`` times a batched greedy ``model.generate`` with its dynamic or its static
+cache. Both generate exactly ``max_tokens`` tokens per request (end tokens ignored), so output
+tokens/s compare like for like.
 
-The issue's goals, on the GPU machine in bf16: at least 5x transformers' best at 64 and 256
-requests, and at least 1,000 output tokens/s for a single request.
+``ABLATION`` is the engine's history in four steps, each adding one thing to the one before:
+vLLM V0's synchronous scheduler and block manager; vLLM V1's scheduler and KV-cache manager;
+async scheduling; CUDA graphs. ``random_workload`` is nano-vllm's benchmark: prompts and outputs
+of random lengths. ``kv_capacity`` answers the PagedAttention paper's memory question (its
+Fig. 13): how many requests a fixed KV budget holds with paging, against a contiguous
+reservation of the model's whole context per request.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import statistics
 import time
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from paged_attention.legacy.records import RECOMPUTED, SWAPPED_OUT
 from paged_attention.utils import cdiv
+
+# The ablation, in order: (name, LLM keyword arguments), each adding one thing.
+ABLATION: list[tuple[str, dict]] = [
+    ("V0, synchronous", dict(core="v0", async_scheduling=False, cuda_graphs=False)),
+    ("V1", dict(core="v1", async_scheduling=False, cuda_graphs=False)),
+    ("V1 + async", dict(core="v1", async_scheduling=True, cuda_graphs=False)),
+    ("V1 + async + graphs", dict(core="v1", async_scheduling=True, cuda_graphs=True)),
+]
+
+# The host's parts of a step (StepStats fields), in the order a step runs them.
+HOST_PARTS = ("schedule", "prepare", "forward", "sample", "wait", "update")
+
+# Where a GPU run of benchmarks/bench_engine.py is committed (notebook 08 draws it).
+RESULTS_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_engine.json"
+
+
+def load_results(path: Union[str, Path] = RESULTS_PATH) -> Optional[dict[str, Any]]:
+    """A committed run's figures (``bench_engine.json``), or None where there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _sync(device: torch.device) -> None:
@@ -34,6 +63,17 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int 
     the special tokens), so that the prefix cache finds nothing to share."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(100, vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_requests)]
+
+
+def random_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int,
+                    seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's benchmark: ``(prompts, max_tokens)``, each prompt and each output length drawn
+    uniformly from ``[min_len, max_len]``."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(min_len, max_len + 1, (num_requests,), generator=g).tolist()
+    output_lens = torch.randint(min_len, max_len + 1, (num_requests,), generator=g).tolist()
+    prompts = [torch.randint(100, vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+    return prompts, output_lens
 
 
 @contextlib.contextmanager
@@ -49,38 +89,77 @@ def _no_gc():
         gc.enable()
 
 
-def run_engine(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Output tokens/s of ``llm.generate`` and where a decode step's time goes (milliseconds)."""
+def gpu_timeline(steps: Sequence[Any]) -> Optional[dict[str, float]]:
+    """From the CUDA events of steps (``StepStats.gpu_events``, recorded around each step's device
+    work): mean GPU busy time per step, and over the pairs of consecutive steps (by
+    ``StepStats.step``) the mean idle gap between one step's end and the next one's start
+    (milliseconds), and the idle share of the time from one step's end to the next one's end.
+    None without such a pair."""
+    steps = [s for s in steps if s.gpu_events is not None]
+    # Pairs of steps that ran one right after the other (a step left out between two, a prefill
+    # say, would count as idle time).
+    pairs = [(a.gpu_events, b.gpu_events) for a, b in zip(steps, steps[1:])
+             if getattr(b, "step", 1) - getattr(a, "step", 0) == 1]
+    if not pairs:
+        return None
+    busy = [start.elapsed_time(end) for start, end in (s.gpu_events for s in steps)]
+    idle = [max(0.0, a[1].elapsed_time(b[0])) for a, b in pairs]
+    span = sum(a[1].elapsed_time(b[1]) for a, b in pairs)
+    return {"gpu_busy_ms": statistics.mean(busy), "gpu_idle_ms": statistics.mean(idle),
+            "gpu_idle_share": sum(idle) / span if span > 0 else float("nan")}
+
+
+def step_breakdown(steps: Sequence[Any]) -> dict[str, float]:
+    """Mean milliseconds per step of each host part, and the host's own time per request and
+    step (µs: everything but waiting for the GPU), the median over the steps."""
+    out = {f"{part}_ms": 1e3 * statistics.mean(getattr(s, part) for s in steps) for part in HOST_PARTS}
+    out["host_ms"] = sum(out[f"{p}_ms"] for p in HOST_PARTS if p != "wait")
+    out["python_us_per_seq"] = 1e6 * statistics.median((s.total - s.wait) / s.num_reqs for s in steps)
+    return out
+
+
+def run_engine(llm, prompts: list[list[int]], max_tokens: Union[int, list[int]],
+               warm_prompts: Optional[list[list[int]]] = None) -> dict[str, Any]:
+    """Output tokens/s of ``llm.generate`` and where a decode step's time goes.
+
+    A warm-up call first, on ``warm_prompts`` (default: the prompts with every id shifted, so
+    that nothing is a prefix-cache hit) with the same output lengths."""
     from paged_attention.engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
     device = llm.model.device
-    warm = [[(t + 1) % llm.config.vocab_size for t in p] for p in prompts]   # other prompts: no cache hits
-    llm.generate(warm, params, use_tqdm=False)
-    first_step, first_record = len(llm.engine.step_stats), len(llm.engine.history)
+    if warm_prompts is None:
+        warm_prompts = [[(t + 1) % llm.config.vocab_size for t in p] for p in prompts]
+    llm.generate(warm_prompts, params, use_tqdm=False)
+    engine = llm.engine
+    first_step = len(engine.step_stats)
+    preempted = engine.runner.num_preemptions
     with _no_gc():
         _sync(device)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         _sync(device)
         seconds = time.perf_counter() - start
-    steps = llm.engine.step_stats[first_step:]
+    steps = engine.step_stats[first_step:]
     decodes = [s for s in steps if s.decode_only] or steps
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {
+    result = {
         "tokens_per_s": num_tokens / seconds, "seconds": seconds, "num_tokens": num_tokens,
+        "steps": len(steps), "decode_steps": len(decodes), "ms_per_step": 1e3 * seconds / max(1, len(steps)),
         "ms_per_decode_step": 1e3 * statistics.mean(s.total for s in decodes),
-        "python_ms_per_step": 1e3 * statistics.mean(s.python for s in decodes),
-        "schedule_ms_per_step": 1e3 * statistics.mean(s.schedule for s in decodes),
-        "gpu_wait_ms_per_step": 1e3 * statistics.mean(s.forward + s.sample for s in decodes),
-        "cuda_graph_steps": sum(s.cuda_graph for s in decodes), "decode_steps": len(decodes),
-        "max_running": max(len(r.running) for r in llm.engine.history[first_record:]),
-        # Requests running through the decode steps (admission can briefly exceed what then
-        # fits: the scheduler preempts as the requests grow).
-        "mean_running": statistics.mean(len(r.running) for r in llm.engine.history[first_record:]),
-        "preemptions": sum(e.kind in (SWAPPED_OUT, RECOMPUTED)
-                           for r in llm.engine.history[first_record:] for e in r.events),
+        "cuda_graph_steps": sum(s.cuda_graph for s in decodes),
+        "mean_running": statistics.mean(s.num_reqs for s in steps),
+        "max_running": max(s.num_reqs for s in steps),
+        "preemptions": engine.runner.num_preemptions - preempted,
+        "core": engine.core_name, "async_scheduling": engine.async_scheduling,
+        "cuda_graphs": engine.runner.graphs is not None,
     }
+    result.update(step_breakdown(decodes))
+    timeline = gpu_timeline(decodes)
+    if timeline is not None:
+        result.update(timeline)
+    return result
 
 
 def load_transformers(dtype: torch.dtype, device: torch.device):
@@ -114,6 +193,23 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int,
     num_tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"tokens_per_s": num_tokens / seconds, "seconds": seconds, "num_tokens": num_tokens,
             "ms_per_decode_step": 1e3 * seconds / max_tokens}
+
+
+def run_ablation(model, tokenizer, prompts: list[list[int]], max_tokens: int, configs=ABLATION,
+                 **llm_kw: Any) -> list[dict[str, Any]]:
+    """``run_engine`` for each configuration of the ablation on the same model and prompts (an
+    engine each, freed before the next: each holds its own KV cache)."""
+    from paged_attention.engine import LLM
+
+    rows = []
+    for name, kw in configs:
+        llm = LLM(model, tokenizer=tokenizer, **llm_kw, **kw)
+        rows.append({"name": name, **kw, **run_engine(llm, prompts, max_tokens)})
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 def kv_capacity(config, block_size: int, dtype: torch.dtype, budget_bytes: int, prompt_len: int,

@@ -19,12 +19,12 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from paged_attention import runtime
-from paged_attention.engine.llm_engine import LLMEngine
+from paged_attention.engine.llm_engine import DEFAULT_CORE, LLMEngine
 from paged_attention.engine.outputs import RequestOutput
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.model import LlamaForCausalLM, Tokenizer, kv_cache_bytes_per_block, load_gguf
 from paged_attention.model.llama import resolve_device, resolve_dtype
-from paged_attention.utils import cdiv, check_int
+from paged_attention.utils import cdiv, check_int, is_int
 
 PromptType = Union[str, list[int], dict]
 _GiB = 1 << 30
@@ -37,20 +37,27 @@ class LLM:
     ``LlamaForCausalLM`` (then its device, dtype and attention are used, and ``tokenizer`` may be
     given; without one, prompts must be token ids).
 
+    ``core``: who schedules. ``"v1"`` (the default): vLLM V1's scheduler over its KV-cache manager,
+    with ``async_scheduling`` (default on: step n + 1 is scheduled while step n runs);
+    ``"v0"``: the legacy scheduler and block manager, synchronous, preempting by ``"swap"`` (its
+    default ``preemption_mode``) or ``"recompute"`` (V1 only recomputes).
+
     Memory: ``num_gpu_blocks`` blocks of ``block_size`` tokens hold every layer's KV (default: what
     ``kv_cache_memory`` bytes hold; by default 512 MiB on a CPU, 80% of the GPU's free memory
     on a GPU; never more than ``max_num_seqs`` requests of ``max_model_len`` tokens need).
-    ``num_cpu_blocks`` (default: a quarter of that) is the swap pool. ``kv_cache_memory`` is a
-    bound: a budget that holds no block, or ``num_gpu_blocks`` beyond it, is refused, as are
-    pools larger than the memory they would live in. A step runs at most ``max_num_seqs``
-    requests and ``max_num_batched_tokens`` tokens (at least ``max_model_len``, as vLLM V0 asks
-    without chunked prefill). ``preemption_mode``: ``"swap"`` or ``"recompute"``. ``block_tables``: which of the project's table classes turns
+    ``num_cpu_blocks`` is V0's swap pool (default: a quarter of that; none for V1).
+    ``kv_cache_memory`` is a bound: a budget that holds no block, or ``num_gpu_blocks`` beyond it,
+    is refused, as are pools larger than the memory they would live in. A step runs at most
+    ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens (for V0 at least
+    ``max_model_len``, as vLLM V0 asks without chunked prefill; V1 cuts long prefills into
+    chunks). ``block_tables``: which of the project's table classes turns
     the block lists into kernel inputs: ``"auto"`` (v2 on a GPU, v1 on a CPU), ``"v2"``,
     ``"v2-vllm"`` or ``"v1"``.
     ``cuda_graphs``: replay decode steps from CUDA graphs on a GPU (with an attention whose
     decode reads nothing back to the host: not the reference's). ``record_block_owners``: every
     step's record says who holds each block, for the pool drawings (a benchmark turns it off: with
-    hundreds of requests it is a quarter of the scheduler's time).
+    hundreds of requests it is a quarter of the scheduler's time). ``record_gpu_time``: CUDA
+    events around each step's device work (the benchmark's idle-time figure).
     """
 
     def __init__(self, model: Union[None, str, Path, LlamaForCausalLM] = None, *, block_size: int = 16,
@@ -58,18 +65,35 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, attention: str = "auto",
                  device: Union[None, str, torch.device] = None, dtype: Union[None, str, torch.dtype] = None,
-                 max_model_len: Optional[int] = None, preemption_mode: str = "swap", block_tables: str = "auto",
-                 cuda_graphs: bool = True, kv_cache_memory: Optional[int] = None, watermark: float = 0.01,
-                 record_block_owners: bool = True, tokenizer: Optional[Tokenizer] = None) -> None:
+                 max_model_len: Optional[int] = None, preemption_mode: Optional[str] = None,
+                 block_tables: str = "auto", cuda_graphs: bool = True, kv_cache_memory: Optional[int] = None,
+                 watermark: float = 0.01, record_block_owners: bool = True, tokenizer: Optional[Tokenizer] = None,
+                 core: str = DEFAULT_CORE, async_scheduling: Optional[bool] = None,
+                 record_gpu_time: bool = False) -> None:
         # Every argument is checked before the weights are read.
         block_size = check_int("block_size", block_size, 1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
-        if preemption_mode not in ("swap", "recompute"):
+        for name, flag in (("cuda_graphs", cuda_graphs), ("record_gpu_time", record_gpu_time)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be None or a bool, got {async_scheduling!r}")
+        from paged_attention.engine.llm_engine import CORES
+        if core not in CORES:
+            raise ValueError(f"core must be one of {', '.join(map(repr, CORES))}, got {core!r}")
+        if core == "v0" and async_scheduling:
+            raise ValueError("async_scheduling needs core='v1': the V0 scheduler appends each step's tokens "
+                             "before it schedules the next")
+        if preemption_mode not in (None, "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {preemption_mode!r}")
+        if core == "v1" and is_int(num_cpu_blocks) and num_cpu_blocks > 0:
+            raise ValueError(f"num_cpu_blocks={num_cpu_blocks} is a swap pool, which only the V0 core has; pass "
+                             f"core='v0' (or no num_cpu_blocks)")
+        if core == "v1" and preemption_mode == "swap":
+            raise ValueError("the V1 core preempts by recomputation only (it has no swap pool); use core='v0' "
+                             "for preemption_mode='swap'")
         from paged_attention.engine.tables import TABLE_IMPLS
         if block_tables not in TABLE_IMPLS:
             raise ValueError(f"block_tables must be one of {', '.join(TABLE_IMPLS)}, got {block_tables!r}")
@@ -108,8 +132,8 @@ class LLM:
                              f"{max_num_seqs}: every running request decodes one token a step")
         # vLLM V0's rule without chunked prefill: a prefill runs whole in one step, and a request
         # preempted by recomputation is prefilled again with everything it generated, up to
-        # max_model_len tokens; a smaller step could never take it back.
-        if max_num_batched_tokens < max_model_len:
+        # max_model_len tokens; a smaller step could never take it back. (V1 chunks prefills.)
+        if core == "v0" and max_num_batched_tokens < max_model_len:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
                              f"{max_model_len}: a request recomputed after a preemption is prefilled again whole, "
                              f"up to max_model_len tokens, in one step; raise max_num_batched_tokens or lower "
@@ -132,7 +156,7 @@ class LLM:
             num_gpu_blocks = min(budget // bytes_per_block, needed)
         num_gpu_blocks = check_int("num_gpu_blocks", num_gpu_blocks, 1)
         if num_cpu_blocks is None:
-            num_cpu_blocks = num_gpu_blocks // 4
+            num_cpu_blocks = num_gpu_blocks // 4 if core == "v0" else 0
         num_cpu_blocks = check_int("num_cpu_blocks", num_cpu_blocks, 0)
         _check_pools_fit(self.model.device, num_gpu_blocks, num_cpu_blocks, bytes_per_block, kv_cache_memory)
         self.bytes_per_block = bytes_per_block
@@ -144,7 +168,8 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 preemption_mode=preemption_mode, block_tables=block_tables,
                                 cuda_graphs=cuda_graphs, watermark=watermark,
-                                record_block_owners=record_block_owners)
+                                record_block_owners=record_block_owners, core=core,
+                                async_scheduling=async_scheduling, record_gpu_time=record_gpu_time)
         if tokenizer is not None:
             self.engine.detokenize = tokenizer.decode
         self._request_counter = itertools.count()

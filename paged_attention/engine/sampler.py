@@ -2,8 +2,9 @@
 
 Greedy requests take the argmax. The others are drawn from ``softmax(logits / temperature)``,
 after top-p filtering, with their own generator when they have a seed and from torch's global
-generator when they do not (vLLM's rule). All rows' tokens come back to the host in one read, the
-only one of a decode step: the scheduler needs them to go on.
+generator when they do not (vLLM's rule). The tokens stay on the device (``sample_tensor``): the
+model runner feeds them to the next step there, and copies them to the host behind the step's
+work.
 """
 from __future__ import annotations
 
@@ -29,15 +30,24 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs * keep
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[Optional[torch.Generator]]) -> list[int]:
-    """One token id per row of ``logits`` ``[num_reqs, vocab]``, row ``i`` by ``params[i]``;
-    ``generators[i]`` None draws from torch's global generator of the logits' device."""
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+    """One token id per row of ``logits`` ``[num_reqs, vocab]``, row ``i`` by ``params[i]``, as
+    an int64 tensor on the logits' device (nothing is read back: the model runner keeps the
+    tokens on the device for the next step). ``generators[i]`` None draws from torch's global
+    generator of the logits' device; ``params[i]`` None takes the argmax without a draw (a row
+    whose token is not wanted)."""
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
-        if p.greedy:
+        if p is None or p.greedy:
             continue
         probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
         probs = top_p_filter(probs, p.top_p)
         tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
-    return tokens.tolist()
+    return tokens
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[Optional[torch.Generator]]) -> list[int]:
+    """``sample_tensor``'s tokens as a list (one read to the host)."""
+    return sample_tensor(logits, params, generators).tolist()

@@ -113,8 +113,11 @@ def read_layout(batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
     """``(query_start_loc, seq_lens, new tokens per request)`` read to the host, and checked: every
     request brings ``1 <= new tokens <= seq_len`` (at most ``max_query_len``), the last ends at
     the batch's end. One read per step with prefills (such steps are not captured in CUDA graphs)."""
-    starts = batch.query_start_loc.tolist()
-    lens = batch.seq_lens.tolist()
+    starts = list(batch.query_start_loc_cpu) if batch.query_start_loc_cpu is not None else \
+        batch.query_start_loc.tolist()
+    lens = list(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else batch.seq_lens.tolist()
+    if len(starts) != len(lens) + 1:
+        raise ValueError(f"query_start_loc has {len(starts)} entries for {len(lens)} requests (num_reqs + 1 expected)")
     if starts[0] != 0 or starts[-1] != batch.num_tokens:
         raise ValueError(f"query_start_loc must run from 0 to the batch's {batch.num_tokens} tokens, "
                          f"got {starts[0]} .. {starts[-1]}")
@@ -223,7 +226,8 @@ class PagedAttention:
         out = torch.empty_like(query)
         if self._prefill is not None:
             self._prefill(out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.seq_lens,
-                          batch.query_start_loc, self.scale, max_query_len=batch.max_query_len, check_ids=False)
+                          batch.query_start_loc, self.scale, max_query_len=batch.max_query_len, check_ids=False,
+                          max_seq_len=batch.max_seq_len)
             return out
         if split.decode is not None:
             d = split.decode

@@ -12,6 +12,7 @@ position ``seq_lens[i] - query_lens[i]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -26,6 +27,10 @@ class ForwardBatch:
     slot_mapping: torch.Tensor      # int64 [num_tokens]: the cache slot each new token's K/V goes to
     max_query_len: int              # longest run of new tokens (1: a pure decode batch)
     max_seq_len: int                # longest of seq_lens (an upper bound the kernels size work by)
+    # The host's copies of query_start_loc and seq_lens, where the caller has them (an engine
+    # does): a batch with prefills then reads its layout from them instead of from the device.
+    query_start_loc_cpu: Optional[Sequence[int]] = None
+    seq_lens_cpu: Optional[Sequence[int]] = None
 
     @property
     def num_reqs(self) -> int:

@@ -10,8 +10,11 @@ Per layer, as in Hugging Face's and vLLM's Llama::
     x = x + o_proj(attention(rope(q), rope(k), v))      q, k, v = split(qkv_proj(rms_norm(x)))
     x = x + down_proj(silu(gate) * up)                  gate, up = split(gate_up_proj(rms_norm(x)))
 
-The attention (``model/attention.py``) writes the step's keys and values into the paged cache and
-reads each request's whole sequence back from it. Everything else is plain torch.
+The attention (``model/attention.py``) reads each request's whole sequence back from the paged
+cache; the step's keys and values go into it with the rotary embedding. The small operations
+between the projections (the residual add with its norm, the rotary embedding with the cache
+write, SwiGLU's product) are chosen once, when the model is built: plain torch, or one fused
+Triton launch each (``model/layer_ops.py``). So the forward pass is one loop.
 
 For speed, work that does not depend on the step is done once at load time: the Q, K and V
 projections are fused into one matrix (``qkv_proj``, vLLM's ``QKVParallelLinear``) and gate and up
@@ -24,10 +27,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_attention.kernels import args
+from paged_attention.kernels import KernelUnavailable, args
 from paged_attention.model.attention import KVCache, PagedAttention, read_layout, resolve_attention, split_batch
 from paged_attention.model.batch import ForwardBatch
 from paged_attention.model.config import LlamaConfig
+from paged_attention.model.layer_ops import FusedLayerOps, TorchLayerOps, can_fuse
+from paged_attention.model.layer_ops import RotaryEmbedding, rms_norm  # noqa: F401  (their old home)
 from paged_attention.model.weights import check_weights
 from paged_attention.utils import check_device
 
@@ -53,50 +58,6 @@ def resolve_device(device: object) -> torch.device:
 
 
 # --------------------------------------------------------------------------------------------
-# Rotary position embedding and RMSNorm
-# --------------------------------------------------------------------------------------------
-
-class RotaryEmbedding:
-    """Rotate-half RoPE (Hugging Face's Llama; vLLM's ``is_neox_style=True``), tables precomputed.
-
-    Dimension ``j < D/2`` of a head is paired with dimension ``j + D/2``; at position ``p`` the pair
-    turns by the angle ``p * theta^(-2j / D)``. (The GGUF's Q/K rows were un-permuted at load time
-    to make this the right pairing: see ``model/weights.py``.) A step looks its positions' angles
-    up once (``angles``), and every layer rotates its queries and keys together with them: the
-    fewer kernels a step launches, the shorter its CUDA graph.
-    """
-
-    def __init__(self, head_dim: int, max_position: int, theta: float, device: torch.device) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))   # [D/2]
-        angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]      # [P, D/2]
-        # cos and sin side by side, so that one lookup fetches both: [P, 2, D/2]
-        self.cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1).to(device)
-        self.max_position = max_position
-
-    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of each token's position, ``[T, 1, D/2]`` each (one angle per pair,
-        every head alike)."""
-        cos, sin = self.cos_sin[positions].unsqueeze(2).unbind(1)
-        return cos, sin
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[num_tokens, heads, D]`` rotated by the angles (float32 maths)."""
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.rotate(x, *self.angles(positions))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)``, the mean taken in float32 whatever ``x``'s dtype,
-    then cast back before the weight, as Hugging Face's Llama does. (``F.rms_norm`` is one fused
-    kernel on a GPU where the same lines written out would be six.)"""
-    return weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
-
-
-# --------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------
 
@@ -112,13 +73,17 @@ class LlamaForCausalLM:
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", fused: bool | None = None) -> None:
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be None or a bool, got {fused!r}")
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
         self.attention_impl = resolve_attention(attention, self.device, self.dtype)
+        if fused and self.device.type != "cuda" and self.dtype == torch.bfloat16:
+            raise KernelUnavailable("the fused kernels run in Triton's interpreter on a CPU, which has no bfloat16")
         check_weights(config, weights)
 
         def w(name: str) -> torch.Tensor:
@@ -143,16 +108,43 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, self.device)
         self.attn = PagedAttention(self.attention_impl, config.num_attention_heads, config.num_key_value_heads,
                                    config.head_dim, self.device)
-        # On a GPU the norms and the rotary embedding run as fused Triton kernels (see
-        # _forward_fused); on a CPU, where Triton only interprets, as plain torch.
-        self.fused = self.device.type == "cuda" and (config.head_dim // 2) & (config.head_dim // 2 - 1) == 0
+        # The layers' small operations, chosen once: fused Triton kernels on a GPU; plain torch on
+        # a CPU, where Triton only interprets (``fused=True`` forces the kernels there, for tests).
+        self.fused = (self.device.type == "cuda" and can_fuse(config)) if fused is None else fused
 
     @property
     def kv_cache_layout(self) -> str:
         """``"flash"`` or ``"v0"``: the cache layout this model's kernels read (``allocate_kv_caches`` follows it)."""
         return self.attn.layout
 
+    @property
+    def attn(self) -> PagedAttention:
+        """The attention kernels (``model/attention.py``); settable (a test swaps in another
+        implementation), which picks the layer operations again for its cache layout."""
+        return self._attn
+
+    @attn.setter
+    def attn(self, value: PagedAttention) -> None:
+        self._attn = value
+        if hasattr(self, "ops"):
+            self.fused = self.fused
+
     # ---- the forward pass ------------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """Whether the layers run the fused Triton operations (``model/layer_ops.py``); settable,
+        which picks the operations again (the tests compare both on one model)."""
+        return isinstance(self.ops, FusedLayerOps)
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"fused must be a bool, got {value!r}")
+        if value and not can_fuse(self.config):
+            raise ValueError(f"the fused kernels need a head size of twice a power of two, got {self.config.head_dim}")
+        ops = FusedLayerOps if value else TorchLayerOps
+        self.ops = ops(self.config, self.rotary, self.attn)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 kv_caches: list[KVCache], *, check: bool = True) -> torch.Tensor:
@@ -163,10 +155,19 @@ class LlamaForCausalLM:
         capture, where host reads are not allowed (the engine checks its requests when they
         arrive).
         """
+        return self.compute_logits(self.hidden_states(input_ids, positions, batch, kv_caches, check=check))
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                      kv_caches: list[KVCache], *, check: bool = True) -> torch.Tensor:
+        """The final hidden state ``[num_reqs, hidden_size]`` (after the last norm) of each
+        request's last new token: ``forward`` without the output projection. A CUDA graph of a
+        decode step ends here, so that its output stays small whatever the vocabulary."""
         if check and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             self.check_inputs(input_ids, positions, batch, kv_caches)
-        cfg = self.config
-        # A batch with prefills reads its layout to the host once, here; a decode batch reads nothing.
+        cfg, ops = self.config, self.ops
+        # A batch with prefills reads its layout once, here (from the host copy when the batch
+        # carries one); a decode batch reads nothing back.
         split = None
         if not batch.is_decode_only:
             if self.attn.needs_split:
@@ -174,69 +175,25 @@ class LlamaForCausalLM:
             else:
                 read_layout(batch)   # checked once here; the prefill kernel then reads no host data
 
-        if self.fused:
-            return self._forward_fused(input_ids, positions, batch, kv_caches, split)
-        hidden = self.embed_tokens[input_ids]                               # [T, hidden]
-        cos, sin = self.rotary.angles(positions)                            # once for all layers
-        num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        hidden, residual = self.embed_tokens[input_ids], None                # [T, hidden]
+        rope = ops.rope_inputs(positions)                                    # once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            # --- attention block ---
-            x = rms_norm(hidden, layer["input_layernorm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv_proj"])
-            qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
-            # Queries and keys are rotated alike: as one tensor of query heads then key heads.
-            qk = self.rotary.rotate(qk.view(-1, num_qk_heads, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
-            v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            o = self._attend(q, k, v, kv_cache, batch, split)
-            hidden = hidden + F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
-            # --- MLP block (SwiGLU) ---
-            x = rms_norm(hidden, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up_proj"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer["down_proj"])
+            x, residual = ops.add_norm(hidden, residual, layer["input_layernorm"])
+            q = ops.rope_and_cache(F.linear(x, layer["qkv_proj"]), rope, kv_cache, batch.slot_mapping)
+            o = self.attn.decode(q, kv_cache, batch) if batch.is_decode_only else \
+                self.attn.mixed(q, kv_cache, batch, split)
+            hidden = F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
+            x, residual = ops.add_norm(hidden, residual, layer["post_attention_layernorm"])
+            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up_proj"])), layer["down_proj"])
+        if not batch.is_decode_only:
+            # Only each request's last new token is sampled from: request i's is row query_start_loc[i+1] - 1.
+            last = batch.query_start_loc[1:].long() - 1
+            hidden, residual = hidden[last], residual[last]
+        return ops.add_norm(hidden, residual, self.norm)[0]
 
-        # Only each request's last new token is sampled from: request i's is row query_start_loc[i+1] - 1.
-        last = batch.query_start_loc[1:].long() - 1
-        hidden = rms_norm(hidden[last], self.norm, cfg.rms_norm_eps)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final hidden states: the output projection (tied to the embedding in SmolLM2)."""
         return F.linear(hidden, self.lm_head).float()
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
-                split) -> torch.Tensor:
-        """Write the step's keys and values, then attend (the decode kernel for a decode batch)."""
-        self.attn.write(k, v, kv_cache, batch.slot_mapping)
-        if batch.is_decode_only:
-            return self.attn.decode(q, kv_cache, batch)
-        return self.attn.mixed(q, kv_cache, batch, split)
-
-    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                       kv_caches: list[KVCache], split) -> torch.Tensor:
-        """The same layers with fused Triton kernels (on a GPU): each residual add with the RMSNorm
-        after it, the rotary embedding in place on the QKV output, and SwiGLU's product. The
-        arithmetic is
-        the unfused path's, in the same order and precision; a decode step launches about half
-        as many kernels."""
-        from paged_attention.kernels.triton.layer_ops import add_rms_norm, rotary_, silu_and_mul
-
-        cfg = self.config
-        num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
-        residual = self.embed_tokens[input_ids]                             # [T, hidden], a fresh tensor
-        x = add_rms_norm(residual, self.layers[0]["input_layernorm"], cfg.rms_norm_eps)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            qkv = F.linear(x, layer["qkv_proj"])
-            qk = rotary_(qkv[:, :cfg.q_size + cfg.kv_size].view(-1, num_qk_heads, cfg.head_dim),
-                         self.rotary.cos_sin, positions)
-            q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
-            v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_key_value_heads, cfg.head_dim)
-            o = self._attend(q, k, v, kv_cache, batch, split)
-            # residual += o_proj(o); x = rms_norm(residual)
-            x = add_rms_norm(F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"]),
-                             layer["post_attention_layernorm"], cfg.rms_norm_eps, residual)
-            act = silu_and_mul(F.linear(x, layer["gate_up_proj"]))
-            # residual += down_proj(...); x = the next layer's input norm (the final norm after the last)
-            next_norm = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else self.norm
-            x = add_rms_norm(F.linear(act, layer["down_proj"]), next_norm, cfg.rms_norm_eps, residual)
-        last = batch.query_start_loc[1:].long() - 1
-        return F.linear(x[last], self.lm_head).float()
 
     __call__ = forward
 

@@ -113,3 +113,77 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.size(0):
         _silu_and_mul_kernel[(x.size(0), triton.cdiv(inter, block))](x, out, inter, BLOCK=block)
     return out
+
+
+@triton.jit
+def _rotary_and_cache_kernel(qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
+                             qkv_stride, num_heads, num_kv_heads, block_size,
+                             kc_stride_blk, kc_stride_tok, kc_stride_head,
+                             vc_stride_blk, vc_stride_tok, vc_stride_head,
+                             HALF: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr):
+    # One program per token. Its row of qkv is [query heads | key heads | value heads], D = 2 * HALF
+    # each. The queries turn in place (attention reads them from there); the keys turn on their way
+    # into the cache and the values are copied there, at the token's slot (none for slot < 0).
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + j)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + j)[None, :]
+    row = qkv_ptr + t * qkv_stride
+    h = tl.arange(0, HEADS)
+    q_mask = (h < num_heads)[:, None]
+    q = row + h[:, None] * (2 * HALF) + j[None, :]
+    q1 = tl.load(q, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(q, (q1 * cos - q2 * sin).to(qkv_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q + HALF, (q2 * cos + q1 * sin).to(qkv_ptr.dtype.element_ty), mask=q_mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    kh = tl.arange(0, KV_HEADS)
+    kv_mask = ((kh < num_kv_heads) & (tl.zeros([KV_HEADS], tl.int64) + slot >= 0))[:, None]
+    k = row + (num_heads + kh[:, None]) * (2 * HALF) + j[None, :]
+    k1 = tl.load(k, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+    blk = slot // block_size
+    off = slot % block_size
+    kc = key_cache_ptr + blk * kc_stride_blk + off * kc_stride_tok + kh[:, None] * kc_stride_head + j[None, :]
+    tl.store(kc, (k1 * cos - k2 * sin).to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(kc + HALF, (k2 * cos + k1 * sin).to(key_cache_ptr.dtype.element_ty), mask=kv_mask)
+    v = row + (num_heads + num_kv_heads + kh[:, None]) * (2 * HALF) + j[None, :]
+    vc = value_cache_ptr + blk * vc_stride_blk + off * vc_stride_tok + kh[:, None] * vc_stride_head + j[None, :]
+    tl.store(vc, tl.load(v, mask=kv_mask), mask=kv_mask)
+    tl.store(vc + HALF, tl.load(v + HALF, mask=kv_mask), mask=kv_mask)
+
+
+def rotary_and_cache_(qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """The rotary embedding and the cache write in one launch: ``qkv`` ``[tokens, (heads + 2 *
+    kv_heads) * D]`` (the fused projection's output, rows contiguous) has its query columns rotated
+    in place; each token's rotated key and its value go to ``key_cache``/``value_cache`` (flash
+    layout ``[num_blocks, block_size, kv_heads, D]``, any strides with a contiguous head) at its
+    slot, none where the slot is negative. Returns the queries, ``[tokens, heads, D]``, a view of
+    ``qkv``. The same arithmetic as ``rotary_`` followed by ``reshape_and_cache_flash``."""
+    tokens = qkv.size(0) if qkv.dim() == 2 else -1
+    dim = key_cache.size(-1) if key_cache.dim() == 4 else 0
+    half = dim // 2
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or dim % 2 or half & (half - 1) or \
+            qkv.size(1) != (num_heads + 2 * num_kv_heads) * dim:
+        raise ValueError(f"rotary_and_cache_ needs qkv [tokens, (heads + 2 * kv_heads) * D] with contiguous rows "
+                         f"and a head size of twice a power of two, got {tuple(qkv.shape)} with caches "
+                         f"{tuple(key_cache.shape)}")
+    if key_cache.shape != value_cache.shape or key_cache.size(2) != num_kv_heads or key_cache.stride(3) != 1 \
+            or value_cache.stride(3) != 1 or key_cache.dtype != qkv.dtype or value_cache.dtype != qkv.dtype:
+        raise ValueError("rotary_and_cache_ needs key and value caches [num_blocks, block_size, kv_heads, D] "
+                         "of qkv's dtype, with contiguous heads")
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1:] != (2, half) \
+            or positions.shape != (tokens,) or slot_mapping.shape != (tokens,) \
+            or (tokens > 1 and (positions.stride(0) != 1 or slot_mapping.stride(0) != 1)):
+        raise ValueError("rotary_and_cache_ needs float32 cos_sin [positions, 2, D/2] and one position and one "
+                         "slot per token (contiguous)")
+    if tokens:
+        _rotary_and_cache_kernel[(tokens,)](
+            qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, qkv.stride(0), num_heads, num_kv_heads,
+            key_cache.size(1), *key_cache.stride()[:3], *value_cache.stride()[:3], HALF=half,
+            HEADS=next_power_of_2(num_heads), KV_HEADS=next_power_of_2(num_kv_heads))
+    return qkv[:, :num_heads * dim].view(tokens, num_heads, dim)

@@ -106,7 +106,7 @@ def _paged_prefill_kernel(
 
 
 def check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                       max_query_len, check_ids: bool) -> None:
+                       max_query_len, check_ids: bool, max_seq_len: int | None = None) -> None:
     """The prefill's arguments: the decode's checks per request, plus the query layout.
 
     ``check_ids=True`` reads ``seq_lens`` and ``query_start_loc`` to the host and checks that
@@ -124,8 +124,9 @@ def check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_len
         raise ValueError("query_start_loc must have num_reqs + 1 entries, got none")
     # One "sequence" per request: the decode's checks of the caches, tables and lengths.
     stand_in = query.new_empty(num_reqs, query.size(1), query.size(2))
+    # (Given an upper bound on the lengths, the unchecked call reads nothing back to the host.)
     args.check_flash_decode_args(stand_in, key_cache, value_cache, block_tables, seq_lens, None,
-                                 check_ids=check_ids, scale=scale)
+                                 check_ids=check_ids, scale=scale, max_seq_len=max_seq_len)
     max_query_len = check_int("max_query_len", max_query_len, 1)
     if not check_ids or num_reqs == 0:
         return
@@ -157,6 +158,7 @@ def paged_attention_prefill(
     max_query_len: int,
     check_ids: bool = True,
     launch: tuple[int, int, int, int] | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     """Causal attention of a step's new tokens over a flash-layout paged cache, into ``out``.
 
@@ -166,10 +168,12 @@ def paged_attention_prefill(
     HND strides), already holding every key the requests attend to. ``block_tables``: int32
     ``[num_reqs, max_blocks]``; ``seq_lens``: ``[num_reqs]``; ``max_query_len``: the longest
     request's query tokens (it sizes the grid). ``launch`` overrides ``(BLOCK_M, TILE_N,
-    num_warps, num_stages)``.
+    num_warps, num_stages)``. ``max_seq_len``, an upper bound on ``seq_lens``, spares the unchecked
+    call (``check_ids=False``) its one read of the lengths to the host (an engine step then waits
+    for nothing).
     """
     check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                       max_query_len, check_ids)
+                       max_query_len, check_ids, max_seq_len)
     check_triton_dtype(query)
     args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
     num_tokens, num_heads, head_size = query.shape

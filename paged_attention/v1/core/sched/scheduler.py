@@ -67,7 +67,7 @@ def _priority_order(request: Request) -> tuple[int, float]:
 
 
 @dataclass
-class StepPlan:
+class StepBudget:
     """What one ``schedule()`` call has decided so far: the budget left, who runs (how many
     tokens, which new blocks) and who was preempted."""
 
@@ -282,7 +282,7 @@ class Scheduler:
         self.kv_cache_manager.new_step_starts()
         # The cap on a long prefill keeps it from starving the others; alone, it may take all.
         num_running, num_waiting = self.get_request_counts()
-        step = StepPlan(self.max_num_scheduled_tokens,
+        step = StepBudget(self.max_num_scheduled_tokens,
                         self.long_prefill_token_threshold if num_running + num_waiting > 1 else 0)
         self._schedule_running(step)
         if not step.preempted_reqs:
@@ -290,7 +290,7 @@ class Scheduler:
             self._schedule_waiting(step)
         return self._make_scheduler_output(step)
 
-    def _schedule_running(self, step: StepPlan) -> None:
+    def _schedule_running(self, step: StepBudget) -> None:
         """Give each running request, in order, the tokens it is behind by, preempting from the
         back of the list when blocks run out."""
         manager = self.kv_cache_manager
@@ -356,7 +356,7 @@ class Scheduler:
             return max(self.running, key=_priority_order)
         return self.running[-1]
 
-    def _schedule_waiting(self, step: StepPlan) -> None:
+    def _schedule_waiting(self, step: StepBudget) -> None:
         """Admit waiting requests in order while the budget and ``max_num_seqs`` allow, each
         with its longest cached prefix; the first one that does not fit stops admission."""
         manager = self.kv_cache_manager
@@ -405,7 +405,7 @@ class Scheduler:
         if skipped:
             self.waiting.prepend_requests(skipped)
 
-    def _make_scheduler_output(self, step: StepPlan) -> SchedulerOutput:
+    def _make_scheduler_output(self, step: StepBudget) -> SchedulerOutput:
         num_scheduled_tokens = step.num_scheduled_tokens
         req_to_new_blocks = step.req_to_new_blocks
         total_num_scheduled_tokens = self.max_num_scheduled_tokens - step.token_budget

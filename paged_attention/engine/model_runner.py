@@ -1,0 +1,379 @@
+"""The model runner: from a scheduler's step to sampled tokens, with per-request state kept across steps.
+
+vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred lines. A step:
+
+1. **Update states.** Finished and preempted requests give their request-state row back; new
+   ones take a row and bring their tokens, computed count, sampling parameters and block ids;
+   running ones bring only the blocks they gained (``engine/tables.py`` keeps the rows).
+2. **Prepare.** The host works out, in numpy, the batch's request-state rows (``idx_mapping``),
+   ``query_start_loc``, every token's position and sequence length, and the token ids it knows
+   (prompt tokens; ``-1`` for a token sampled in an earlier step), packs them into one pinned
+   buffer, and ships it with **one** copy. On the device the tables gather the batch's rows and
+   compute the slots, and each ``-1`` is replaced by the request's last sampled token, which
+   never left the device: the host need not have seen it, so the next step can be prepared
+   while this one runs (async scheduling, ``engine/llm_engine.py``).
+3. **Execute.** A decode batch replays a CUDA graph captured for the next bucket of batch sizes
+   (``engine/cuda_graphs.py``), padded with rows that read one key and write nothing; other
+   batches run eagerly.
+4. **Sample** one token per request on the device, store it as the request's last sampled token
+   (the next step's input), and copy the tokens to pinned host memory behind a CUDA event. The
+   caller reads them (``get_output``) when it needs them: to check stops and detokenize.
+
+Without CUDA the same code runs on the CPU (no graphs, no events, copies are plain copies).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from paged_attention.engine.sampler import sample_tensor
+from paged_attention.engine.tables import make_step_tables
+from paged_attention.model import ForwardBatch, LlamaForCausalLM
+from paged_attention.utils import PAD_SLOT_ID, next_power_of_2
+from paged_attention.v1.core.sched.messages import ModelRunnerOutput
+from paged_attention.v1.core.sched.output import SchedulerOutput
+
+
+class RequestStates:
+    """One row per running request, kept across steps (vLLM's ``RequestState``).
+
+    Host: the tokens the request was (re)added with (``token_ids[row, :prefill_len[row]]``), its
+    computed count, its sampling parameters. Device: its last sampled token. Row
+    ``max_num_reqs`` is a padding row: the extra rows of a CUDA-graph batch point at it.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
+        self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        self.pad_row = max_num_reqs
+        self.index_of: dict[str, int] = {}
+        self._free = list(range(max_num_reqs - 1, -1, -1))
+        rows = max_num_reqs + 1
+        self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)
+        self.prefill_len = np.zeros(rows, dtype=np.int32)
+        self.num_computed = np.zeros(rows, dtype=np.int32)
+        self.greedy = np.ones(rows, dtype=bool)
+        self.params: list = [None] * rows
+        self.req_ids: list[Optional[str]] = [None] * rows
+        self.last_sampled = torch.zeros(rows, dtype=torch.int32, device=device)
+
+    def add(self, req_id: str, token_ids: list[int], num_computed: int, params) -> int:
+        if req_id in self.index_of:
+            raise ValueError(f"request {req_id!r} already holds request state {self.index_of[req_id]}")
+        if not self._free:
+            raise ValueError(f"all {self.max_num_reqs} request states are taken (max_num_seqs)")
+        if not 0 < len(token_ids) <= self.max_model_len or not 0 <= num_computed < len(token_ids):
+            raise ValueError(f"request {req_id!r}: {len(token_ids)} tokens ({num_computed} computed) do not fit "
+                             f"a request state of max_model_len={self.max_model_len}")
+        row = self._free.pop()
+        self.index_of[req_id] = row
+        self.req_ids[row] = req_id
+        self.token_ids[row, :len(token_ids)] = token_ids
+        self.prefill_len[row] = len(token_ids)
+        self.num_computed[row] = num_computed
+        self.params[row] = params
+        self.greedy[row] = params.greedy
+        return row
+
+    def remove(self, req_id: str) -> Optional[int]:
+        row = self.index_of.pop(req_id, None)
+        if row is not None:
+            self.req_ids[row] = self.params[row] = None
+            self._free.append(row)
+        return row
+
+
+class InputBuffers:
+    """One step's integers, packed: ``[idx_mapping (B) | query_start_loc (B + 1) | seq_lens (B) |
+    positions (T) | token ids (T) | token rows (T)]`` for a batch of ``B`` requests and ``T``
+    tokens. The host fills a pinned buffer (two, used in turn: the copy of step n may still be
+    queued while step n + 1 is packed) and one copy moves it; the device views of a decode
+    bucket's layout never move, so a CUDA graph reads them."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device) -> None:
+        size = 3 * max_num_reqs + 1 + 3 * max_num_tokens
+        cuda = device.type == "cuda"
+        self.host = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.device = torch.zeros(size, dtype=torch.int32, device=device) if cuda else self.host[0]
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._turn = 0
+
+    @staticmethod
+    def offsets(num_reqs: int, num_tokens: int) -> tuple[int, ...]:
+        b, t = num_reqs, num_tokens
+        return 0, b, 2 * b + 1, 3 * b + 1, 3 * b + 1 + t, 3 * b + 1 + 2 * t, 3 * b + 1 + 3 * t
+
+    def next_host(self) -> np.ndarray:
+        self._turn = (self._turn + 1) % len(self.host)
+        return self.host_np[self._turn]
+
+    def copy(self, length: int) -> None:
+        if self.device is not self.host[self._turn]:
+            self.device[:length].copy_(self.host[self._turn][:length], non_blocking=True)
+
+    def views(self, num_reqs: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """``(idx_mapping, query_start_loc, seq_lens, positions, token_ids, token_rows)`` on the device."""
+        key = (num_reqs, num_tokens)
+        views = self._views.get(key)
+        if views is None:
+            o = self.offsets(num_reqs, num_tokens)
+            views = tuple(self.device[a:b] for a, b in zip(o, o[1:]))
+            if num_reqs == num_tokens:         # decode shapes: few, and graphs hold them
+                self._views[key] = views
+        return views
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the device, and the host facts the runner decided them by."""
+
+    req_ids: list[str]
+    num_reqs: int
+    num_tokens: int
+    idx_mapping: torch.Tensor
+    positions: torch.Tensor
+    token_ids: torch.Tensor          # -1 where the request's last sampled token goes
+    token_rows: torch.Tensor
+    idx_np: np.ndarray
+    samples: Optional[np.ndarray]    # which requests sample (None: all); a prefill chunk that stops short does not
+    batch: ForwardBatch
+    graph_key: Optional[tuple[int, int]]
+
+
+class RunnerOutput:
+    """A step's sampled tokens on their way to the host (vLLM's ``AsyncModelRunnerOutput``): the
+    copy was queued behind the step's work; ``get_output`` waits for it (a CUDA event) and
+    returns the ``ModelRunnerOutput``. The step's host timings (seconds) and GPU events ride along."""
+
+    def __init__(self, req_ids: list[str], tokens: Optional[torch.Tensor], event, *, decode_only: bool,
+                 cuda_graph: bool, num_tokens: int, prepare: float, forward: float, sample: float,
+                 gpu_events: Optional[tuple] = None, samples: Optional[np.ndarray] = None) -> None:
+        self.req_ids, self._tokens, self._event, self._samples = req_ids, tokens, event, samples
+        self.decode_only, self.cuda_graph, self.num_tokens = decode_only, cuda_graph, num_tokens
+        self.prepare, self.forward, self.sample = prepare, forward, sample
+        self.gpu_events = gpu_events
+        self.wait = 0.0
+        self._output: Optional[ModelRunnerOutput] = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            t0 = time.perf_counter()
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._tokens.tolist() if self._tokens is not None else []
+            self.wait = time.perf_counter() - t0
+            if self._samples is None:
+                sampled = [[t] for t in tokens]
+            else:                               # prefill chunks that stop short sample nothing
+                sampled = [[t] if s else [] for t, s in zip(tokens, self._samples.tolist())]
+            self._output = ModelRunnerOutput(self.req_ids, dict(zip(self.req_ids, range(len(tokens)))), sampled)
+        return self._output
+
+
+class ModelRunner:
+    """The model, its KV caches, the request states and tables, the graphs and the sampler."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list, *, block_size: int, max_num_reqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, block_tables: str = "auto",
+                 cuda_graphs: bool = True, record_gpu_time: bool = False) -> None:
+        self.model, self.kv_caches = model, kv_caches
+        self.device = model.device
+        self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        self.states = RequestStates(max_num_reqs, max_model_len, self.device)
+        self.tables = make_step_tables(block_tables, block_size, max_num_reqs, max_num_batched_tokens,
+                                       max_model_len, self.device)
+        self.buffers = InputBuffers(max_num_reqs, max_num_batched_tokens, self.device)
+        cuda = self.device.type == "cuda"
+        self.graphs = None
+        # The reference decode reads lengths back to the host, which a capture does not allow.
+        if cuda_graphs and cuda and model.attention_impl != "reference":
+            from paged_attention.engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(max_num_reqs, max_model_len, self.device)
+        # The sampled tokens' host copies, two in turn: a step's tokens are read after the next
+        # step is launched (async scheduling), which writes the other one.
+        self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._turn = 0
+        self.record_gpu_time = record_gpu_time and cuda
+        self._generators: dict[str, Optional[torch.Generator]] = {}
+        self.num_preemptions = 0            # requests dropped by a preemption (to be recomputed)
+
+    # ---- 1. states ------------------------------------------------------------------------
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply what the scheduler decided since the last step to the request states and tables."""
+        states = self.states
+        for req_id in so.finished_req_ids:
+            states.remove(req_id)
+            self._generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.num_preemptions += states.remove(req_id) is not None
+        for new in so.scheduled_new_reqs:
+            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
+            row = states.add(new.req_id, tokens, new.num_computed_tokens, new.sampling_params)
+            self.tables.set_row(row, new.block_ids[0], overwrite=True)
+            if new.req_id not in self._generators:
+                self._generators[new.req_id] = self._generator(new.sampling_params)
+        cached = so.scheduled_cached_reqs
+        index_of, num_computed = states.index_of, states.num_computed
+        for req_id, computed, new_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
+            row = index_of[req_id]
+            num_computed[row] = computed
+            if new_ids is not None and (new_ids[0] or req_id in cached.resumed_req_ids):
+                self.tables.set_row(row, new_ids[0], overwrite=req_id in cached.resumed_req_ids)
+
+    def reset(self) -> None:
+        """Forget every request (the engine dropped them all); staged table writes included."""
+        for req_id in list(self.states.index_of):
+            self.states.remove(req_id)
+        self._generators.clear()
+        self.tables.reset()
+
+    def _generator(self, params) -> Optional[torch.Generator]:
+        """A seeded request draws from its own generator (its tokens then do not depend on the
+        batch, nor on preemptions: the generator lives until the request finishes); an unseeded
+        one from torch's global generator."""
+        if params.greedy or params.seed is None:
+            return None
+        return torch.Generator(self.device).manual_seed(params.seed)
+
+    # ---- 2. prepare -----------------------------------------------------------------------
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        states = self.states
+        counts_by_req = so.num_scheduled_tokens
+        req_ids = list(counts_by_req)
+        n, num_tokens = len(req_ids), so.total_num_scheduled_tokens
+        idx = np.fromiter(map(states.index_of.__getitem__, req_ids), dtype=np.int32, count=n)
+        counts = np.fromiter(counts_by_req.values(), dtype=np.int32, count=n)
+        start = states.num_computed[idx]
+        seq_lens = start + counts
+        decode_only = num_tokens == n
+        if decode_only:
+            positions, rows = start, idx
+        else:
+            qsl = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(counts, out=qsl[1:])
+            rows = np.repeat(idx, counts)
+            # token t of request b sits at start[b] + (t - qsl[b])
+            positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(start - qsl[:-1], counts)
+        # Tokens the host knows (those the request was added with); -1: its last sampled token.
+        known = positions < states.prefill_len[rows]
+        if known.any():
+            ids = np.where(known, states.token_ids[rows, np.minimum(positions, self.max_model_len - 1)], -1)
+        else:
+            ids = None
+        # A request samples once this step reaches the end of the tokens it was added with.
+        samples = None if decode_only else seq_lens >= states.prefill_len[idx]
+        if samples is not None and samples.all():
+            samples = None
+        # The bound the kernels size their work by, rounded up on a GPU (a decode kernel's launch is
+        # planned once per bound: an exact one would make a new plan every step).
+        max_seq_len = int(seq_lens.max())
+        if self.device.type == "cuda":
+            max_seq_len = min(max(256, next_power_of_2(max_seq_len)), self.max_model_len)
+        graph_key = self.graphs.key(n, max_seq_len) if decode_only and self.graphs is not None else None
+        b = t = graph_key[0] if graph_key is not None else None
+        if b is None:
+            b, t = n, num_tokens
+
+        # One pinned buffer, one copy. Padding: rows of the padding state, one key, no slot.
+        buf = self.buffers.next_host()
+        o = InputBuffers.offsets(b, t)
+        buf[o[0]:o[0] + n] = idx
+        buf[o[0] + n:o[1]] = states.pad_row
+        if decode_only:
+            buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
+        else:
+            buf[o[1]:o[2]] = qsl
+        buf[o[2]:o[2] + n] = seq_lens
+        buf[o[2] + n:o[3]] = 1
+        buf[o[3]:o[3] + num_tokens] = positions
+        buf[o[3] + num_tokens:o[4]] = 0
+        buf[o[4]:o[5]] = -1
+        if ids is not None:
+            buf[o[4]:o[4] + num_tokens] = ids
+        buf[o[5]:o[5] + num_tokens] = rows
+        buf[o[5] + num_tokens:o[6]] = states.pad_row
+        self.buffers.copy(o[6])
+        idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev = self.buffers.views(b, t)
+
+        block_tables, slot_mapping = self.tables.prepare(
+            idx_dev[:n], qsl_dev[:n + 1], pos_dev[:num_tokens], rows, positions, b, t)
+        no_kv_write = getattr(so, "no_kv_write_req_ids", None)       # the legacy core's, see there
+        if no_kv_write:
+            at = [int(buf[o[1] + i]) for i, r in enumerate(req_ids) if r in no_kv_write]
+            slot_mapping[torch.tensor(at, device=self.device)] = PAD_SLOT_ID
+        host_layout = {} if decode_only else dict(query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        batch = ForwardBatch(qsl_dev, seq_lens_dev, block_tables, slot_mapping,
+                             max_query_len=int(counts.max()), max_seq_len=max_seq_len,
+                             **host_layout)
+        return StepInputs(req_ids, n, num_tokens, idx_dev[:n], pos_dev, ids_dev, rows_dev, idx, samples, batch, graph_key)
+
+    def input_ids(self, token_ids: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+        """Each token's id: the host's, or (``-1``) its request's last sampled token."""
+        return torch.where(token_ids >= 0, token_ids, self.states.last_sampled[token_rows])
+
+    # ---- 3. execute and 4. sample -----------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run one step; the sampled tokens come back through the returned ``RunnerOutput``."""
+        t0 = time.perf_counter()
+        self.update_states(so)
+        if not so.num_scheduled_tokens:
+            return RunnerOutput([], None, None, decode_only=False, cuda_graph=False, num_tokens=0,
+                                prepare=time.perf_counter() - t0, forward=0.0, sample=0.0)
+        events = None
+        if self.record_gpu_time:
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        inputs = self.prepare_inputs(so)
+        t1 = time.perf_counter()
+        n = inputs.num_reqs
+        if inputs.graph_key is not None:
+            hidden = self.graphs.run(inputs.graph_key, lambda: self._forward(inputs))[:n]
+        else:
+            hidden = self._forward(inputs)
+        logits = self.model.compute_logits(hidden)
+        t2 = time.perf_counter()
+        tokens = self._sample(logits, inputs)
+        t3 = time.perf_counter()
+        if events is not None:
+            events[1].record()
+        return RunnerOutput(inputs.req_ids, tokens, self._event(), decode_only=inputs.num_tokens == n,
+                            cuda_graph=inputs.graph_key is not None, num_tokens=inputs.num_tokens,
+                            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, gpu_events=events,
+                            samples=inputs.samples)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        ids = self.input_ids(inputs.token_ids, inputs.token_rows)
+        return self.model.hidden_states(ids, inputs.positions, inputs.batch, self.kv_caches, check=False)
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Sample on the device, keep each token as its request's last (the next step's input),
+        and queue its copy to the host."""
+        states = self.states
+        if states.greedy[inputs.idx_np].all():
+            sampled = logits.argmax(dim=-1)
+        else:
+            # A request that samples nothing this step (a prefill chunk) draws nothing either.
+            params = [states.params[r] for r in inputs.idx_np]
+            if inputs.samples is not None:
+                params = [p if s else None for p, s in zip(params, inputs.samples.tolist())]
+            sampled = sample_tensor(logits, params, [self._generators.get(r) for r in inputs.req_ids])
+        states.last_sampled[inputs.idx_mapping] = sampled.to(torch.int32)
+        self._turn = (self._turn + 1) % len(self._sampled_host)
+        host = self._sampled_host[self._turn][:inputs.num_reqs]
+        host.copy_(sampled, non_blocking=True)
+        return host
+
+    def _event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+__all__ = ["ModelRunner", "RequestStates", "RunnerOutput", "InputBuffers", "StepInputs"]

@@ -1,0 +1,185 @@
+"""The operations a layer repeats besides its projections and attention, chosen once per model.
+
+A Llama layer (``model/llama.py``) is four projections, the attention, and three small
+operations in between:
+
+* ``add_norm(x, residual, weight)``: add ``x`` to the residual stream, then RMSNorm the sum
+  (``(normed, new residual)``); with no residual yet (the first layer), only the norm;
+* ``rope_and_cache(qkv, rope, kv_cache, slot_mapping)``: rotate the queries and keys of the fused
+  QKV projection's output, and store each token's key and value in its cache slot; returns the
+  queries, which the attention reads;
+* ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` on the fused gate-up output.
+
+Two sets: :class:`TorchLayerOps`, the torch lines of Hugging Face's Llama (six kernels for a norm,
+about ten for the rotary embedding, a cache write after it), and :class:`FusedLayerOps`, one Triton
+launch each (``kernels/triton/layer_ops.py``: the residual add with the norm, the rotary embedding
+with the cache write). The model picks one when it is built, so its forward pass is one loop
+with no per-call branching; the tests run both on the same inputs and compare.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from paged_attention.model.attention import KVCache, PagedAttention
+from paged_attention.model.config import LlamaConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)``, the mean taken in float32 whatever ``x``'s dtype,
+    then cast back before the weight, as Hugging Face's Llama does. (``F.rms_norm`` is one fused
+    kernel on a GPU where the same lines written out would be six.)"""
+    return weight * F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Rotate-half RoPE (Hugging Face's Llama; vLLM's ``is_neox_style=True``), tables precomputed.
+
+    Dimension ``j < D/2`` of a head is paired with dimension ``j + D/2``; at position ``p`` the pair
+    turns by the angle ``p * theta^(-2j / D)``. (The GGUF's Q/K rows were un-permuted at load time
+    to make this the right pairing: see ``model/weights.py``.) A step looks its positions' angles
+    up once (``angles``), and every layer rotates its queries and keys together with them.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, device: torch.device) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))   # [D/2]
+        angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]      # [P, D/2]
+        # cos and sin side by side, so that one lookup fetches both: [P, 2, D/2]
+        self.cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1).to(device)
+        self.max_position = max_position
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of each token's position, ``[T, 1, D/2]`` each (one angle per pair,
+        every head alike)."""
+        cos, sin = self.cos_sin[positions].unsqueeze(2).unbind(1)
+        return cos, sin
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[num_tokens, heads, D]`` rotated by the angles (float32 maths)."""
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.rotate(x, *self.angles(positions))
+
+
+class TorchLayerOps:
+    """The three operations in plain torch (any device, any cache layout)."""
+
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
+        self.eps = config.rms_norm_eps
+        self.rotary, self.attn = rotary, attn
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        return rms_norm(x, weight, self.eps), x
+
+    def rope_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every layer's rotation needs, looked up once a step: the positions' angles."""
+        return self.rotary.angles(positions)
+
+    def rope_and_cache(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                       slot_mapping: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        qk, v = qkv.split([(self.heads + self.kv_heads) * d, self.kv_heads * d], dim=-1)
+        # Queries and keys turn alike: as one tensor of query heads then key heads.
+        qk = self.rotary.rotate(qk.view(-1, self.heads + self.kv_heads, d), *rope)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
+        self.attn.write(k, v.view(-1, self.kv_heads, d), kv_cache, slot_mapping)
+        return q
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class FusedLayerOps:
+    """The three operations as one Triton launch each (a GPU; the interpreter runs them on a CPU,
+    slowly, for the tests). The rotary embedding carries the cache write when the cache is in the
+    flash layout; the v0 layout's writer (``attention="cuda"``) follows an in-place rotation.
+    Launches go through ``Launcher``s made once: an eager step calls these 90 times."""
+
+    def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
+        import triton
+
+        from paged_attention.kernels.triton import layer_ops as k
+        from paged_attention.triton_launch import Launcher
+        from paged_attention.utils import next_power_of_2
+
+        self.attn, self.cos_sin = attn, rotary.cos_sin
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        names = ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr")
+        self._norm = [Launcher(k._add_rms_norm_kernel, names, hidden=hidden, eps=float(config.rms_norm_eps),
+                               HAS_RESIDUAL=has, BLOCK=next_power_of_2(hidden)) for has in (False, True)]
+        self._act_block = min(1024, next_power_of_2(inter))
+        self._act_cols = triton.cdiv(inter, self._act_block)
+        self._act = Launcher(k._silu_and_mul_kernel, ("x_ptr", "out_ptr"), inter=inter, BLOCK=self._act_block)
+        self._rotary = Launcher(k._rotary_kernel, ("x_ptr", "pos_ptr"), cos_sin_ptr=rotary.cos_sin,
+                                row_stride=(self.heads + 2 * self.kv_heads) * self.head_dim, num_heads=self.heads
+                                + self.kv_heads, HALF=self.head_dim // 2,
+                                HEADS=next_power_of_2(self.heads + self.kv_heads))
+        self._with_cache = attn.layout == "flash"
+        self._rope_cache: dict[tuple, Launcher] = {}        # by the caches' strides and block size
+        self._kernels, self._launcher, self._next_power_of_2 = k, Launcher, next_power_of_2
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty_like(x)
+        if x.size(0):
+            self._norm[residual is not None]((x.size(0),), x, x if residual is None else residual, weight, out)
+        # Without a residual the input becomes the stream; with one, the kernel stored the sum into it.
+        return out, x if residual is None else residual
+
+    @staticmethod
+    def rope_inputs(positions: torch.Tensor) -> torch.Tensor:
+        return positions                      # the kernel looks the angles up itself
+
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                       slot_mapping: torch.Tensor) -> torch.Tensor:
+        tokens, d = qkv.size(0), self.head_dim
+        q = qkv[:, :self.heads * d].view(tokens, self.heads, d)
+        if not self._with_cache:
+            if tokens:
+                self._rotary((tokens,), qkv, positions)
+            kv = qkv[:, self.heads * d:].view(tokens, 2, self.kv_heads, d)
+            self.attn.write(kv[:, 0], kv[:, 1], kv_cache, slot_mapping)
+            return q
+        key_cache, value_cache = kv_cache
+        key = (key_cache.stride(), value_cache.stride(), key_cache.size(1))
+        launch = self._rope_cache.get(key)
+        if launch is None:
+            launch = self._rope_cache[key] = self._launcher(
+                self._kernels._rotary_and_cache_kernel,
+                ("qkv_ptr", "pos_ptr", "slot_ptr", "key_cache_ptr", "value_cache_ptr"),
+                cos_sin_ptr=self.cos_sin, qkv_stride=qkv.stride(0), num_heads=self.heads,
+                num_kv_heads=self.kv_heads, block_size=key_cache.size(1),
+                kc_stride_blk=key_cache.stride(0), kc_stride_tok=key_cache.stride(1),
+                kc_stride_head=key_cache.stride(2), vc_stride_blk=value_cache.stride(0),
+                vc_stride_tok=value_cache.stride(1), vc_stride_head=value_cache.stride(2), HALF=d // 2,
+                HEADS=self._next_power_of_2(self.heads), KV_HEADS=self._next_power_of_2(self.kv_heads))
+        if tokens:
+            launch((tokens,), qkv, positions, slot_mapping, key_cache, value_cache)
+        return q
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = gate_up.new_empty(gate_up.size(0), gate_up.size(1) // 2)
+        if gate_up.size(0):
+            self._act((gate_up.size(0), self._act_cols), gate_up, out)
+        return out
+
+
+def can_fuse(config: LlamaConfig) -> bool:
+    """The fused rotary kernels handle a head size of twice a power of two (64 for SmolLM2)."""
+    half = config.head_dim // 2
+    return half & (half - 1) == 0
+
+
+__all__ = ["rms_norm", "RotaryEmbedding", "TorchLayerOps", "FusedLayerOps", "can_fuse"]

@@ -1,0 +1,155 @@
+"""The model runner's pieces (paged_attention/engine/model_runner.py) on the tiny model, on a CPU:
+request states, the packed inputs of a mixed batch, tokens fed from the device, and the padded
+batch a CUDA graph runs (the padding computed eagerly here, where graphs cannot be captured)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paged_attention.engine import LLM, SamplingParams
+from paged_attention.engine.model_runner import RequestStates
+from paged_attention.model import LlamaForCausalLM
+from paged_attention.utils import PAD_SLOT_ID
+from paged_attention.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tests.test_engine import GREEDY, TINY, W, prompts, tokens
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return LlamaForCausalLM(TINY, W, attention="reference")
+
+
+def test_request_states_refuse_without_changing_anything():
+    states = RequestStates(2, 32, CPU)
+    a = states.add("a", [1, 2, 3], 0, GREEDY)
+    before = (dict(states.index_of), list(states._free), states.token_ids.copy())
+    for args in [("a", [4], 0), ("b", [], 0), ("b", [1] * 33, 0), ("b", [1, 2], 2)]:
+        with pytest.raises(ValueError):
+            states.add(args[0], args[1], args[2], GREEDY)
+    assert (dict(states.index_of), list(states._free)) == before[:2] and np.array_equal(states.token_ids, before[2])
+    b = states.add("b", [7, 8], 1, GREEDY)
+    with pytest.raises(ValueError, match="request states are taken"):
+        states.add("c", [1], 0, GREEDY)
+    assert states.remove("a") == a and states.remove("a") is None
+    assert states.add("c", [5], 0, GREEDY) == a != b                     # the row is reused
+    assert states.pad_row == 2 and states.last_sampled.shape == (3,)
+
+
+def _new(rid: str, tokens: list[int], blocks: list[int], computed: int = 0) -> NewRequestData:
+    return NewRequestData(rid, tokens, GREEDY, (blocks,), computed, prefill_token_ids=tokens)
+
+
+def test_a_mixed_batch_is_packed_as_the_kernels_need_it(model):
+    """A decode (its token sampled last step, known only on the device) and a prefill chunk: the
+    positions, the token ids (-1: from the device), the rows and the slots, checked by hand."""
+    llm = LLM(model, num_gpu_blocks=32, block_size=4, max_num_seqs=4)
+    runner = llm.engine.runner
+    first = SchedulerOutput([_new("a", [5, 6, 7], [3])], CachedRequestData.make_empty(), {"a": 3}, 3, set())
+    runner.execute_model(first).get_output()
+    row_a = runner.states.index_of["a"]
+    sampled = int(runner.states.last_sampled[row_a])
+    cached = CachedRequestData.make_empty()
+    cached.req_ids, cached.new_block_ids, cached.num_computed_tokens = ["a"], [None], [3]
+    so = SchedulerOutput([_new("b", list(range(10, 16)), [9, 2])], cached, {"a": 1, "b": 5}, 6, set())
+    runner.update_states(so)
+    inputs = runner.prepare_inputs(so)
+    row_b = runner.states.index_of["b"]
+    assert inputs.idx_mapping.tolist() == [row_a, row_b]
+    assert inputs.batch.query_start_loc.tolist() == [0, 1, 6]
+    assert inputs.batch.seq_lens.tolist() == [4, 5]
+    assert inputs.positions.tolist() == [3, 0, 1, 2, 3, 4]
+    assert inputs.token_ids.tolist() == [-1, 10, 11, 12, 13, 14]          # a's token: the device's
+    assert inputs.token_rows.tolist() == [row_a] + [row_b] * 5
+    assert runner.input_ids(inputs.token_ids, inputs.token_rows).tolist() == [sampled, 10, 11, 12, 13, 14]
+    # Slots: a's position 3 in block 3 (block size 4); b's positions 0..4 in blocks 9 then 2.
+    assert inputs.batch.slot_mapping.tolist() == [15, 36, 37, 38, 39, 8]
+    assert inputs.batch.block_tables[:, :2].tolist() == [[3, 0], [9, 2]]
+    # b stops short of its 6 tokens: it samples nothing this step.
+    assert inputs.samples.tolist() == [True, False]
+
+
+class _EagerGraphs:
+    """Stands in for ``DecodeGraphs`` on a CPU: the same buckets and padding, run eagerly."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes, self.seen = sizes, []
+
+    def key(self, num_reqs: int, max_seq_len: int):
+        bs = next((s for s in self.sizes if s >= num_reqs), None)
+        return None if bs is None else (bs, 256)
+
+    def run(self, key, forward):
+        self.seen.append(key)
+        return forward()
+
+
+@pytest.mark.parametrize("block_tables", ["v1", "v2"])
+def test_padded_decode_batches_change_no_token_and_write_nothing(model, block_tables):
+    """Decode batches padded to a graph's bucket (rows of the padding state: one key read, no
+    slot written): the same tokens as unpadded, and the padding leaves the caches untouched."""
+    ps = prompts(5, seed=21)
+    kw = dict(num_gpu_blocks=64, max_num_seqs=8, block_tables=block_tables, max_model_len=128,
+              max_num_batched_tokens=256)
+    plain = LLM(model, **kw)
+    want = tokens(plain.generate(ps, GREEDY, use_tqdm=False))
+    padded = LLM(model, **kw)
+    padded.engine.runner.graphs = graphs = _EagerGraphs([1, 2, 4, 8])
+    writes = []
+    write = model.ops.rope_and_cache
+
+    def spy(qkv, rope, kv_cache, slot_mapping):
+        writes.append(slot_mapping.clone())
+        return write(qkv, rope, kv_cache, slot_mapping)
+    model.ops.rope_and_cache = spy
+    try:
+        assert tokens(padded.generate(ps, GREEDY, use_tqdm=False)) == want
+    finally:
+        del model.ops.rope_and_cache
+    assert {k[0] for k in graphs.seen} == {8}                              # 5 requests in a batch of 8
+    decode_slots = [s for s in writes if s.numel() == 8]
+    assert decode_slots and all((s[5:] == PAD_SLOT_ID).all() and (s[:5] >= 0).all() for s in decode_slots)
+
+
+def test_unseeded_and_seeded_sampling_through_the_runner(model):
+    """Seeded requests keep their draws whatever the batch and whatever preemptions happen; the
+    runner keeps each one's generator until it finishes."""
+    ps = prompts(3, length=20, seed=22)
+    params = [SamplingParams(temperature=1.5, max_tokens=16, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    roomy = tokens(LLM(model, num_gpu_blocks=64).generate(ps, params, use_tqdm=False))
+    tight = LLM(model, num_gpu_blocks=10, block_size=8)
+    assert tokens(tight.generate(ps, params, use_tqdm=False)) == roomy
+    assert tight.engine.runner.num_preemptions > 0
+
+
+def test_a_step_reads_nothing_back_to_the_host(model, monkeypatch):
+    """What async scheduling rests on: launching a step (prefills, decodes, mixed batches; V1's
+    chunks) reads no tensor back to the host, so the host can go on to the next step at once.
+    Only ``get_output`` waits, for the tokens. Checked with the reference kernels (the
+    interpreter's own copies would count as reads)."""
+    from tests.test_model import _NoHostReads
+
+    def write(key, value, key_cache, value_cache, slot_mapping, *args):
+        # The reference write finds its tokens with nonzero (a read); a device-side stand-in.
+        keep = slot_mapping >= 0
+        slots = torch.where(keep, slot_mapping, 0)
+        b, o = slots // key_cache.size(1), slots % key_cache.size(1)
+        key_cache[b, o] = torch.where(keep[:, None, None], key, key_cache[b, o])
+        value_cache[b, o] = torch.where(keep[:, None, None], value, value_cache[b, o])
+    monkeypatch.setattr(model.attn, "_write", write)
+    llm = LLM(model, num_gpu_blocks=64, max_num_batched_tokens=40, max_num_seqs=4)
+    want = tokens(LLM(model, num_gpu_blocks=64).generate(prompts(3, seed=24, prefix=prompts(1, length=24, seed=23)[0]),
+                                                         GREEDY, use_tqdm=False))
+    runner = llm.engine.runner
+    execute = runner.execute_model
+
+    def watched(so):
+        with _NoHostReads():
+            return execute(so)
+    monkeypatch.setattr(runner, "execute_model", watched)
+    system = prompts(1, length=24, seed=23)[0]
+    out = llm.generate(prompts(3, seed=24, prefix=system), GREEDY, use_tqdm=False)
+    assert tokens(out) == want
+    assert any(not s.decode_only for s in llm.engine.step_stats)            # prefill chunks ran too
