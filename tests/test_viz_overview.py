@@ -31,6 +31,11 @@ def test_the_engine_row_follows_the_device():
     assert [p.where for p in gpu][:2] == ["host", "host"] and all(p.where == "GPU" for p in gpu[2:])
     with pytest.raises(ValueError):
         engine_row("tpu")
+    # The scheduler and the block manager are the core's: V1's by default, the legacy ones for V0.
+    (v1,), (v0,) = engine_row("cpu").values(), engine_row("cpu", core="v0").values()
+    assert "KVCacheManager" in v1[1].what and "SpaceManager" in v0[1].what and v1[2:] == v0[2:]
+    with pytest.raises(ValueError):
+        engine_row("cpu", core="v2")
 
 
 def _boundaries(ax):
@@ -53,7 +58,7 @@ def test_the_drawing_shows_every_piece_and_part():
     plt.close(ax.figure)
 
 
-@pytest.mark.parametrize("rows", [None, engine_row("cuda"), engine_row("cpu")])
+@pytest.mark.parametrize("rows", [None, engine_row("cuda"), engine_row("cpu"), engine_row("cuda", core="v0")])
 def test_no_label_overflows_its_box(rows):
     """Every piece's and part's label lies inside its box, and the rows' names inside the figure."""
     ax = draw_pipeline(rows, notes={"block manager": "blocks [9]"})

@@ -66,26 +66,31 @@ _STEP = _W + _GAP
 _LABEL_ROOM = 2.9          # left of column 0, for the rows' names
 
 
-def engine_row(device_type: str = "cuda") -> dict[str, tuple[Part, ...]]:
+def engine_row(device_type: str = "cuda", core: str = "v1") -> dict[str, tuple[Part, ...]]:
     """This project's engine (``paged_attention.engine``, notebook 08) as one row of the picture,
-    for a machine of ``device_type`` ``"cuda"`` or ``"cpu"``: on a GPU its tables and kernels are
-    model runner v2's and Triton's; on a CPU everything runs on the host, with v1's numpy tables
-    and the plain-torch kernels."""
+    for a machine of ``device_type`` ``"cuda"`` or ``"cpu"`` and the engine's ``core``: ``"v1"``
+    (the default: V1's scheduler over its KV-cache manager) or ``"v0"`` (the legacy scheduler and
+    block manager). On a GPU its tables and kernels are model runner v2's and Triton's; on a CPU
+    everything runs on the host, with v1's numpy tables and the plain-torch kernels."""
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    if core not in ("v1", "v0"):
+        raise ValueError(f"core must be 'v1' or 'v0', got {core!r}")
     gpu = device_type == "cuda"
     where = "GPU" if gpu else "host"
-    parts = (
-        Part("FcfsScheduler\n(legacy)", "host", "02"),
-        Part("SelfAttnBlock-\nSpaceManager", "host", "01, 02"),
+    if core == "v1":
+        cores = (Part("Scheduler\n(V1)", "host", "07"), Part("KVCacheManager\n+ BlockPool", "host", "07"))
+    else:
+        cores = (Part("FcfsScheduler\n(legacy)", "host", "02"), Part("SelfAttnBlock-\nSpaceManager", "host", "01, 02"))
+    parts = cores + (
         Part("V2StepTables\n(BlockTables)", "GPU", "04") if gpu else Part("V1StepTables\n(BlockTable)", "host", "03"),
         Part("Triton kernel", "GPU", "04") if gpu else Part("numpy", "host", "03"),
-        Part("reshape_and_\ncache_flash", where, "00"),
+        Part("fused rotary\n+ cache write" if gpu else "reshape_and_\ncache_flash", where, "00"),
         Part("Triton decode\nand prefill" if gpu else "plain torch\n(the reference)", where, "06"),
         Part("LlamaForCausalLM", where, "08"),
-        Part("sample()", where, "08"),
+        Part("argmax or\nsample_tensor", where, "08"),
     )
-    return {f"this project's engine\n(notebook 08), {'GPU' if gpu else 'CPU'}": parts}
+    return {f"this project's engine, core {core!r}\n(notebook 08), {'GPU' if gpu else 'CPU'}": parts}
 
 
 def _x(column: int) -> float:
