@@ -688,7 +688,7 @@ DECODE_STEP = Lab(
     "def decode_step(num_tokens, block_size, num_free_blocks):",
     "The running requests `0, 1, ...` (oldest first) have `num_tokens[i]` tokens each, the newest "
     "not yet in a slot; the others fill `ceil((num_tokens[i] - 1) / block_size)` blocks. As the "
-    "engine's scheduler does at a decode step, return `(decoded, preempted)`: the requests that run, "
+    "scheduler of vLLM V0 does at a decode step (the engine's `core=\"v0\"`), return `(decoded, preempted)`: the requests that run, "
     "and those preempted by recomputation. The rules: requests are served oldest first. A request passes "
     "only if at least one block is free, **even when its token goes into a partly filled block** (the "
     "check is an upper bound); it then takes a block only if its new token starts one (`(num_tokens[i] "
