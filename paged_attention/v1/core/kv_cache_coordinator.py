@@ -20,9 +20,14 @@ from paged_attention.v1.core.block_pool import BlockPool
 from paged_attention.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
 from paged_attention.v1.core.request import Request
 from paged_attention.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
 )
+
+# The groups' cache_blocks whose "nothing new" test the coordinator may answer for them (the
+# full-attention one adds only a partial tail block, and only where hashes are finer).
+_PLAIN_CACHE_BLOCKS = (SingleTypeKVCacheManager.cache_blocks, FullAttentionManager.cache_blocks)
 
 
 def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
@@ -55,6 +60,7 @@ class KVCacheCoordinator:
         self.kv_cache_config = kv_cache_config
         self.scheduler_block_size = scheduler_block_size
         self.num_reprefillable_tokens = 0
+        self._plain_cache_test: bool | None = None     # see _nothing_to_cache
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
                                     enable_kv_cache_events, metrics_collector)
         self.eagle_group_ids: set[int] = set()
@@ -115,7 +121,31 @@ class KVCacheCoordinator:
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
+    def _nothing_to_cache(self, request: Request, num_computed_tokens: int) -> bool:
+        """True when no group has a newly filled, hashed block of ``request`` to cache: what a
+        decode step inside its last block finds, for every running request, every step. Only
+        answered where the groups' own test is exactly this one (plain groups, hashes of the
+        block size, the base rule for cacheable tokens); elsewhere False, and they decide."""
+        if self._plain_cache_test is None:
+            cls = type(self)
+            self._plain_cache_test = (
+                cls.get_num_cacheable_tokens is KVCacheCoordinator.get_num_cacheable_tokens
+                and all(type(m).cache_blocks in _PLAIN_CACHE_BLOCKS
+                        and m.block_size == self.block_pool.hash_block_size
+                        for m in self.single_type_managers))
+        if not self._plain_cache_test:
+            return False
+        rid = request.request_id
+        num_tokens = min(num_computed_tokens - self.num_reprefillable_tokens,
+                         len(request.block_hashes) * self.block_pool.hash_block_size)
+        for m in self.single_type_managers:
+            if m.enable_caching and m.num_cached_block.get(rid, 0) < num_tokens // m.block_size:
+                return False
+        return True
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if self._nothing_to_cache(request, num_computed_tokens):
+            return      # the common decode step: skip the per-group calls
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)
         for i, m in enumerate(self.single_type_managers):
