@@ -24,10 +24,12 @@ from paged_attention.utils import cdiv, is_int
 from paged_attention.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from paged_attention.v1.core.kv_cache_utils import KVCacheBlock, trim_null_head
 from paged_attention.v1.core.request import Request, RequestStatus
+from paged_attention.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 
 # A request in one of these states is being admitted: the watermark applies to it.
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_NOT_TAKEN = object()   # a fast path's "not my case" (None already means "no room")
 
 
 def _check_counts(**counts: object) -> None:
@@ -148,6 +150,7 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self._running_fast_path: bool | None = None  # see _allocate_running_full_attention
         # Shared, immutable "no blocks" answer (tuples): saves building one per request.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in
                                                          range(self.num_kv_cache_groups)))
@@ -223,11 +226,19 @@ class KVCacheManager:
         # The scheduler calls this once per scheduled request and step, almost always with two
         # plain ints and the three rarer counts at 0: that call is recognised in one test.
         # Anything else has each count checked, and the wrong one named.
-        if not (type(num_new_tokens) is type(num_new_computed_tokens) is int
-                and num_new_tokens >= 0 and num_new_computed_tokens >= 0
-                and type(num_lookahead_tokens) is type(num_external_computed_tokens)
-                is type(reserved_blocks) is int
-                and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0):
+        plain = (type(num_new_tokens) is type(num_new_computed_tokens) is int
+                 and num_new_tokens >= 0 and num_new_computed_tokens >= 0
+                 and type(num_lookahead_tokens) is type(num_external_computed_tokens)
+                 is type(reserved_blocks) is int
+                 and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0)
+        if plain and num_new_tokens > 0 and num_new_computed_tokens == 0 \
+                and new_computed_blocks is None and not full_sequence_must_fit \
+                and not num_encoder_tokens:
+            fast = self._allocate_running_full_attention(request, num_new_tokens,
+                                                         delay_cache_blocks, has_scheduled_reqs)
+            if fast is not _NOT_TAKEN:
+                return fast
+        if not plain:
             _check_counts(num_new_tokens=num_new_tokens,
                           num_new_computed_tokens=num_new_computed_tokens,
                           num_lookahead_tokens=num_lookahead_tokens,
@@ -285,6 +296,43 @@ class KVCacheManager:
             # Only tokens that are final (not speculative drafts) are cached.
             coordinator.cache_blocks(request, min(total_computed + num_new_tokens, num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _allocate_running_full_attention(self, request: Request, num_new_tokens: int,
+                                         delay_cache_blocks: bool, has_scheduled_reqs: bool,
+                                         ) -> KVCacheBlocks | None | object:
+        """``allocate_slots`` for a running request when every group is full attention: the
+        call the scheduler makes for each running request every step. The general path then
+        has nothing to give back behind a window, no hit to adopt and no admission cap, so
+        the count is each group's growth; this does the same in one pass, with the same
+        answer. ``_NOT_TAKEN`` where it does not apply (the general path decides)."""
+        if self._running_fast_path is None:
+            self._running_fast_path = all(type(m) is FullAttentionManager
+                                          for m in self.coordinator.single_type_managers)
+        request_id = request.request_id
+        managers = self.coordinator.single_type_managers
+        if not self._running_fast_path or not all(request_id in m.num_cached_block
+                                                  for m in managers):
+            return _NOT_TAKEN
+        total_computed = min(request.num_computed_tokens, self.max_model_len)
+        num_tokens_main_model = total_computed + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model, self.max_model_len)
+        needed = 0
+        for m in managers:
+            grow = -(num_tokens_need_slot // -m.block_size) - len(m.req_to_blocks.get(request_id, ()))
+            if grow > 0:
+                needed += grow
+        watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
+                     and request.status in _ADMITTING else 0)
+        if needed + watermark > self.block_pool.get_num_free_blocks():
+            return None
+        if needed:
+            blocks = self.create_kv_cache_blocks(self.coordinator.allocate_new_blocks(
+                request_id, num_tokens_need_slot, num_tokens_main_model))
+        else:
+            blocks = self.empty_kv_cache_blocks     # what the general path returns for none
+        if not delay_cache_blocks:
+            self.coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
+        return blocks
 
     def free(self, request: Request) -> None:
         """Give back every block of ``request``, each group tail first (a prefix shared with
