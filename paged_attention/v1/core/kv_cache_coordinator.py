@@ -144,7 +144,8 @@ class KVCacheCoordinator:
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        if self._nothing_to_cache(request, num_computed_tokens):
+        if self._plain_cache_test is not False \
+                and self._nothing_to_cache(request, num_computed_tokens):
             return      # the common decode step: skip the per-group calls
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)

@@ -231,7 +231,9 @@ class KVCacheManager:
                  and type(num_lookahead_tokens) is type(num_external_computed_tokens)
                  is type(reserved_blocks) is int
                  and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0)
-        if plain and num_new_tokens > 0 and num_new_computed_tokens == 0 \
+        # (The flag is tested here too, so that models it never fits pay no extra call.)
+        if plain and self._running_fast_path is not False and num_new_tokens > 0 \
+                and num_new_computed_tokens == 0 \
                 and new_computed_blocks is None and not full_sequence_must_fit \
                 and not num_encoder_tokens:
             fast = self._allocate_running_full_attention(request, num_new_tokens,
