@@ -150,20 +150,29 @@ def _pool_state(allocator):
     return list(refcounts(allocator)), list(allocation_order(allocator))
 
 
-def _append_cases(*scenarios):
+def _scenario_cases(act, scenarios):
+    """Cases built from naive-allocator scenarios ``(prompt_lens, forks, which)``: ``act(table,
+    allocator)`` reads the pool, applies the lab's operation to table ``which`` and returns
+    ``(args, expected)``."""
     def build():
         out = []
         for prompt_lens, forks, which in scenarios:
             allocator, tables = _naive_scenario(prompt_lens, forks)
-            table = tables[which]
-            counts, free = _pool_state(allocator)
-            args = [list(table.physical_block_ids), table.num_full_slots, table._block_size, counts, free]
-            table.append_token_ids([99])
-            cows = allocator.clear_copy_on_writes()
-            out.append((args, [[table.physical_block_ids, list(cows[0]) if cows else None],
-                               *_pool_state(allocator)]))
+            out.append(act(tables[which], allocator))
         return out
     return build
+
+
+def _append_one(table, allocator):
+    counts, free = _pool_state(allocator)
+    args = [list(table.physical_block_ids), table.num_full_slots, table._block_size, counts, free]
+    table.append_token_ids([99])
+    cows = allocator.clear_copy_on_writes()
+    return args, [[table.physical_block_ids, list(cows[0]) if cows else None], *_pool_state(allocator)]
+
+
+def _append_cases(*scenarios):
+    return _scenario_cases(_append_one, scenarios)
 
 
 def _random_append_scenarios():
@@ -212,18 +221,15 @@ COPY_ON_WRITE = Lab(
 )
 
 
+def _free_one(table, allocator):
+    counts, free = _pool_state(allocator)
+    args = [list(table.physical_block_ids), counts, free]
+    table.free()
+    return args, list(_pool_state(allocator))
+
+
 def _free_cases(*scenarios):
-    def build():
-        out = []
-        for prompt_lens, forks, which in scenarios:
-            allocator, tables = _naive_scenario(prompt_lens, forks)
-            table = tables[which]
-            counts, free = _pool_state(allocator)
-            args = [list(table.physical_block_ids), counts, free]
-            table.free()
-            out.append((args, list(_pool_state(allocator))))
-        return out
-    return build
+    return _scenario_cases(_free_one, scenarios)
 
 
 def _compare_free(got, want, args):
