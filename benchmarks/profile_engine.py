@@ -1,0 +1,140 @@
+"""Where the engine's decode step spends its time: the GPU's kernels and the host's functions.
+
+Usage (GPU machine, about a minute; no model file needed: SmolLM2-135M's shape, random weights):
+    python benchmarks/profile_engine.py [--requests 1,64,256] [--out DIR]
+
+For each batch size it prints
+
+1. the engine's run (``bench.engine.run_engine``: tokens/s, ms per decode step, the host's parts,
+   GPU busy and idle between decode steps);
+2. one eager decode step under ``torch.profiler``: the kernels it launches, grouped by name, with
+   their count and GPU time (what a CUDA graph replays);
+3. ``cProfile`` of the engine's host work over the decode steps (the top functions by own time).
+
+Random weights generate different tokens than the real model, but a step's work depends only on
+the shapes (every request runs exactly ``--max-tokens`` tokens, end tokens ignored).
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+
+import torch
+
+import paged_attention  # noqa: F401  (device policy first)
+from paged_attention.bench.engine import make_prompts, run_engine
+from paged_attention.engine import LLM, SamplingParams
+from paged_attention.model import LlamaConfig, LlamaForCausalLM
+from paged_attention.model.weights import random_weights
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def kernel_table(llm: LLM, n: int, prompt_len: int) -> str:
+    """One eager decode step's kernels under the profiler, grouped by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = make_prompts(n, prompt_len, llm.config.vocab_size, seed=99)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"prof-{i}", p, params)
+    for _ in range(3):                          # the prefill, then decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.runner.graphs = graphs
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows.setdefault(e.name[:90], [0, 0.0])
+            r[0] += 1
+            r[1] += e.device_time
+    total_n, total_t = sum(c for c, _ in rows.values()), sum(t for _, t in rows.values())
+    out = [f"  one eager decode step, {n} requests: {total_n} kernels, {total_t:.0f} us of GPU time"]
+    for name, (c, t) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:25]:
+        out.append(f"  {t:8.1f} us {c:5d}x  {name}")
+    return "\n".join(out)
+
+
+def host_profile(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = make_prompts(n, prompt_len, llm.config.vocab_size, seed=98)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"host-{i}", p, params)
+    for _ in range(3):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    return f"  cProfile over {steps} steps of {n} requests (own time):\n" + s.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", default="1,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--no-host", action="store_true")
+    parser.add_argument("--out", default=None, help="also write the report to DIR/profile_engine.log")
+    parser.add_argument("--llm", default="", help="extra LLM keyword arguments, k=v,k=v (ints and bools)")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("this profile needs an NVIDIA GPU")
+        return 1
+    sizes = [int(x) for x in opts.requests.split(",")]
+    extra = {}
+    for kv in filter(None, opts.llm.split(",")):
+        k, v = kv.split("=")
+        extra[k] = {"True": True, "False": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+    config = LlamaConfig(**SMOLLM2_135M)
+    model = LlamaForCausalLM(config, random_weights(config), dtype=torch.bfloat16, device="cuda")
+    llm = LLM(model, max_num_seqs=max(sizes), kv_cache_memory=8 << 30, record_block_owners=False,
+              record_gpu_time=True, **extra)
+    lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M shape, random weights, "
+             f"bf16, {opts.prompt_len}+{opts.max_tokens} tokens; LLM extra {extra}"]
+    print(lines[0], flush=True)
+    for n in sizes:
+        prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n)
+        e = run_engine(llm, prompts, opts.max_tokens)
+        line = (f"{n:4d} requests: {e['tokens_per_s']:8.0f} tok/s, {e['ms_per_decode_step']:.3f} ms/decode step "
+                f"(sched {e['schedule_ms']:.3f} prep {e['prepare_ms']:.3f} fwd {e['forward_ms']:.3f} "
+                f"sample {e['sample_ms']:.3f} wait {e['wait_ms']:.3f} update {e['update_ms']:.3f}); "
+                f"GPU busy {e.get('gpu_busy_ms', float('nan')):.3f} ms, idle {100 * e.get('gpu_idle_share', 0):.1f}%; "
+                f"{e['seconds'] * 1e3:.1f} ms in all, {e['steps']} steps")
+        print(line, flush=True)
+        lines.append(line)
+        if not opts.no_kernels:
+            t = kernel_table(llm, n, opts.prompt_len)
+            print(t, flush=True)
+            lines.append(t)
+        if not opts.no_host and n >= 64:
+            t = host_profile(llm, n, opts.prompt_len, opts.max_tokens)
+            print(t, flush=True)
+            lines.append(t)
+    if opts.out:
+        os.makedirs(opts.out, exist_ok=True)
+        with open(os.path.join(opts.out, "profile_engine.log"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
