@@ -60,7 +60,7 @@ class KVCacheCoordinator:
         self.kv_cache_config = kv_cache_config
         self.scheduler_block_size = scheduler_block_size
         self.num_reprefillable_tokens = 0
-        self._plain_cache_test: bool | None = None     # see _nothing_to_cache
+        self._plain_cache_test: bool | None = None     # see _is_plain_cache_test
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching, hash_block_size,
                                     enable_kv_cache_events, metrics_collector)
         self.eagle_group_ids: set[int] = set()
@@ -121,11 +121,9 @@ class KVCacheCoordinator:
     def get_num_cacheable_tokens(self, num_computed_tokens: int, kv_cache_group_id: int) -> int:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
-    def _nothing_to_cache(self, request: Request, num_computed_tokens: int) -> bool:
-        """True when no group has a newly filled, hashed block of ``request`` to cache: what a
-        decode step inside its last block finds, for every running request, every step. Only
-        answered where the groups' own test is exactly this one (plain groups, hashes of the
-        block size, the base rule for cacheable tokens); elsewhere False, and they decide."""
+    def _is_plain_cache_test(self) -> bool:
+        """Whether every group's own caching test is the plain one that ``cache_blocks`` answers
+        first (plain groups, hashes of the block size, the base rule for cacheable tokens)."""
         if self._plain_cache_test is None:
             cls = type(self)
             self._plain_cache_test = (
@@ -133,20 +131,24 @@ class KVCacheCoordinator:
                 and all(type(m).cache_blocks in _PLAIN_CACHE_BLOCKS
                         and m.block_size == self.block_pool.hash_block_size
                         for m in self.single_type_managers))
-        if not self._plain_cache_test:
-            return False
-        rid = request.request_id
-        num_tokens = min(num_computed_tokens - self.num_reprefillable_tokens,
-                         len(request.block_hashes) * self.block_pool.hash_block_size)
-        for m in self.single_type_managers:
-            if m.enable_caching and m.num_cached_block.get(rid, 0) < num_tokens // m.block_size:
-                return False
-        return True
+        return self._plain_cache_test
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        if self._plain_cache_test is not False \
-                and self._nothing_to_cache(request, num_computed_tokens):
-            return      # the common decode step: skip the per-group calls
+        # First, in one pass, the question a decode step inside its last block asks of every
+        # running request every step (twice under async scheduling): has any group a newly
+        # filled, hashed block to cache? Usually not, and the per-group calls are skipped.
+        plain = self._plain_cache_test
+        if plain or (plain is None and self._is_plain_cache_test()):
+            rid = request.request_id
+            num_tokens = num_computed_tokens - self.num_reprefillable_tokens
+            num_hashed = len(request.block_hashes) * self.block_pool.hash_block_size
+            if num_hashed < num_tokens:
+                num_tokens = num_hashed
+            for m in self.single_type_managers:
+                if m.enable_caching and m.num_cached_block.get(rid, 0) < num_tokens // m.block_size:
+                    break
+            else:
+                return
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)
         for i, m in enumerate(self.single_type_managers):

@@ -312,20 +312,25 @@ class KVCacheManager:
                                           for m in self.coordinator.single_type_managers)
         request_id = request.request_id
         managers = self.coordinator.single_type_managers
-        if not self._running_fast_path or not all(request_id in m.num_cached_block
-                                                  for m in managers):
+        if not self._running_fast_path:
             return _NOT_TAKEN
-        total_computed = min(request.num_computed_tokens, self.max_model_len)
+        max_model_len = self.max_model_len
+        total_computed = request.num_computed_tokens
+        if total_computed > max_model_len:
+            total_computed = max_model_len
         num_tokens_main_model = total_computed + num_new_tokens
-        num_tokens_need_slot = min(num_tokens_main_model, self.max_model_len)
+        num_tokens_need_slot = (num_tokens_main_model if num_tokens_main_model < max_model_len
+                                else max_model_len)
         needed = 0
         for m in managers:
+            if request_id not in m.num_cached_block:
+                return _NOT_TAKEN       # not running in this group yet: the general path
             grow = -(num_tokens_need_slot // -m.block_size) - len(m.req_to_blocks.get(request_id, ()))
             if grow > 0:
                 needed += grow
         watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
                      and request.status in _ADMITTING else 0)
-        if needed + watermark > self.block_pool.get_num_free_blocks():
+        if needed + watermark > self.block_pool.free_block_queue.num_free_blocks:
             return None
         if needed:
             blocks = self.create_kv_cache_blocks(self.coordinator.allocate_new_blocks(
@@ -333,7 +338,9 @@ class KVCacheManager:
         else:
             blocks = self.empty_kv_cache_blocks     # what the general path returns for none
         if not delay_cache_blocks:
-            self.coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
+            num_tokens = len(request._all_token_ids)
+            self.coordinator.cache_blocks(request, num_tokens_main_model if num_tokens_main_model < num_tokens
+                                          else num_tokens)
         return blocks
 
     def free(self, request: Request) -> None:

@@ -323,6 +323,8 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
             new_hashes.append(parent)
         return new_hashes
 
+    # The request reads this to skip the call while no block can have filled (most tokens).
+    request_block_hasher.hash_block_size = hash_block_size
     return request_block_hasher
 
 

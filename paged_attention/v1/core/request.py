@@ -181,6 +181,9 @@ class Request:
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
+        # Tokens per hashed block, where the hasher says (ours does): appending a token then
+        # calls it only when a block may have filled. None: call it after every append.
+        self._hash_block_size: int | None = getattr(block_hasher, "hash_block_size", None)
         self.update_block_hashes()
 
     # Read-only views: appending goes through append_output_token_ids, which rehashes.
@@ -207,10 +210,15 @@ class Request:
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Append sampled tokens (one or a list), and hash any block they fill."""
         if type(token_ids) is int:
-            # One sampled token, the common case: no list to build and check.
+            # One sampled token, the common case: no list to build and check, and no call to
+            # the hasher unless the token may have filled a block.
             self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
-            self.update_block_hashes()
+            all_ids = self._all_token_ids
+            all_ids.append(token_ids)
+            every = self._hash_block_size
+            if self._block_hasher is not None and (
+                    every is None or len(all_ids) >= (len(self.block_hashes) + 1) * every):
+                self.block_hashes.extend(self._block_hasher(self))
             return
         new = [token_ids] if is_int(token_ids) else list(token_ids)
         if not all(is_int(t) for t in new):

@@ -14,23 +14,17 @@ already in flight; output arriving for a request preempted since).
 """
 from __future__ import annotations
 
-from paged_attention.v1.core.sched.output import SchedulerOutput
 from paged_attention.v1.core.sched.scheduler import Scheduler
 
 __all__ = ["AsyncScheduler"]
 
 
 class AsyncScheduler(Scheduler):
-    """The ``Scheduler`` planning one step ahead of the model (same arguments)."""
+    """The ``Scheduler`` planning one step ahead of the model (same arguments). vLLM overrides
+    ``_update_after_schedule`` to add each sampling request's placeholder after the base
+    update; here the base update's own loop does it when ``holds_output_placeholders`` is set,
+    one pass over the step's requests instead of two."""
 
     # Two steps in flight: the one the model runs, and the one just scheduled.
     max_concurrent_batches = 2
-
-    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
-        super()._update_after_schedule(scheduler_output)
-        requests = self.requests
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = requests[req_id]
-            if not request.is_prefill_chunk:
-                # This step samples its next token: hold a place for it.
-                request.num_output_placeholders += 1
+    holds_output_placeholders = True

@@ -21,7 +21,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)      # one per request and step: slots make it cheaper to build
 class EngineCoreOutput:
     """One request's news from a step: its new tokens and, if it finished, why.
 

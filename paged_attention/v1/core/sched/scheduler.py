@@ -107,6 +107,9 @@ class Scheduler:
     # Steps that may be in flight at once: one here; two for the AsyncScheduler (the next step
     # is scheduled while the model still runs this one).
     max_concurrent_batches: int = 1
+    # Whether a scheduled step counts the token it will sample as a placeholder (the
+    # AsyncScheduler's way of planning the next step before this one's tokens are known).
+    holds_output_placeholders: bool = False
 
     def __init__(
         self,
@@ -309,9 +312,13 @@ class Scheduler:
                               - request.num_computed_tokens)
             if 0 < step.long_prefill_threshold < num_new_tokens:
                 num_new_tokens = step.long_prefill_threshold
-            num_new_tokens = min(num_new_tokens, step.token_budget,
-                                 # Leave room in the context for the token this step samples.
-                                 self.max_model_len - request.num_computed_tokens - 1)
+            # At most the budget left, and room in the context for the token this step samples
+            # (conditionals rather than min(): this runs per request and step).
+            if num_new_tokens > step.token_budget:
+                num_new_tokens = step.token_budget
+            room = self.max_model_len - request.num_computed_tokens - 1
+            if num_new_tokens > room:
+                num_new_tokens = room
             if num_new_tokens <= 0:
                 # Nothing to run now (under async scheduling, its tokens are all in flight).
                 # Skip it rather than stop: the requests behind it may still run.
@@ -463,12 +470,16 @@ class Scheduler:
         """Count the scheduled tokens as computed now, before the model runs them, so that the
         next step can be scheduled at once (the output only adds the sampled tokens)."""
         requests = self.requests
+        placeholders = self.holds_output_placeholders
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             request.num_computed_tokens += n
             request.num_in_flight_tokens += n
             request.is_prefill_chunk = request.num_computed_tokens < (
-                request.num_tokens + request.num_output_placeholders)
+                len(request._all_token_ids) + request.num_output_placeholders)
+            if placeholders and not request.is_prefill_chunk:
+                # Async scheduling: this step samples its next token; hold a place for it.
+                request.num_output_placeholders += 1
         # New sets: the output just built keeps the old ones.
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
@@ -515,23 +526,25 @@ class Scheduler:
         stopped_running: set[Request] = set()
         stopped_preempted: set[Request] = set()
 
+        # This loop runs once per request and step: attributes are read once into locals.
+        get_request, manager = self.requests.get, self.kv_cache_manager
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            output_is_stale = False
-            if request is not None:
-                request.num_in_flight_tokens -= num_tokens_scheduled
-                if request.num_stale_output_tokens > 0:
-                    # Output of a run that was preempted since: drain it.
-                    output_is_stale = True
-                    request.num_stale_output_tokens -= num_tokens_scheduled
-            if request is None or request.is_finished():
+            request = get_request(req_id)
+            if request is None:
+                continue        # finished and gone while the step ran
+            request.num_in_flight_tokens -= num_tokens_scheduled
+            output_is_stale = request.num_stale_output_tokens > 0
+            if output_is_stale:
+                # Output of a run that was preempted since: drain it.
+                request.num_stale_output_tokens -= num_tokens_scheduled
+            status_before_stop = request.status
+            if status_before_stop > RequestStatus.PREEMPTED:
                 continue        # finished (aborted) while the step ran
             if output_is_stale and request.drop_stale_output:
                 continue
 
             new_token_ids = sampled_token_ids[req_id_to_index[req_id]] if sampled_token_ids else []
             stopped = False
-            status_before_stop = request.status
             if new_token_ids:
                 had_placeholders = request.num_output_placeholders > 0
                 new_token_ids, stopped = self._update_request_with_output(
@@ -539,7 +552,7 @@ class Scheduler:
                 if (not output_is_stale and status_before_stop == RequestStatus.RUNNING
                         and had_placeholders):
                     # Async scheduling: blocks filled by tokens only now known can be cached.
-                    self.kv_cache_manager.cache_blocks(
+                    manager.cache_blocks(
                         request, request.num_computed_tokens - request.num_in_flight_tokens)
 
             finish_reason = None

@@ -20,15 +20,19 @@ def check_stop(request: "Request", max_model_len: int) -> bool:
     ``eos_token_id`` and ``stop_token_ids``, where they have them (None: no such token).
     """
     params = request.sampling_params
-    last_token_id = request.output_token_ids[-1]
+    # Called for every sampled token: the request's lists are read directly, not through its
+    # read-only views and properties.
+    output = request._output_token_ids
+    last_token_id = output[-1]
     if last_token_id == getattr(params, "eos_token_id", None):
         request.status = RequestStatus.FINISHED_STOPPED
         return True
-    if last_token_id in (getattr(params, "stop_token_ids", None) or ()):
+    stop_token_ids = getattr(params, "stop_token_ids", None)
+    if stop_token_ids and last_token_id in stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last_token_id
         return True
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+    if len(request._all_token_ids) >= max_model_len or len(output) >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
