@@ -82,8 +82,23 @@ def host_profile(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
         steps += 1
     prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    return f"  cProfile over {steps} steps of {n} requests (own time):\n" + s.getvalue()
+    stats = pstats.Stats(prof, stream=s)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumtime").print_stats("paged_attention", 45)
+    return f"  cProfile over {steps} steps of {n} requests (own time, then cumulative):\n" + s.getvalue()
+
+
+def step_table(llm: LLM, first: int) -> str:
+    """The steps that were not decode-only (prefills, mixed steps) of the last run."""
+    out = []
+    for s in llm.engine.step_stats[first:]:
+        if s.decode_only:
+            continue
+        busy = s.gpu_events[0].elapsed_time(s.gpu_events[1]) if s.gpu_events else float("nan")
+        out.append(f"    step {s.step}: {s.num_reqs} requests, {s.num_tokens} tokens: sched {1e3 * s.schedule:.2f} "
+                   f"prep {1e3 * s.prepare:.2f} fwd {1e3 * s.forward:.2f} sample {1e3 * s.sample:.2f} "
+                   f"wait {1e3 * s.wait:.2f} update {1e3 * s.update:.2f} ms; GPU busy {busy:.2f} ms")
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -114,11 +129,14 @@ def main() -> int:
     for n in sizes:
         prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n)
         e = run_engine(llm, prompts, opts.max_tokens)
+        # run_engine's warm-up call ran first: the timed call's steps are the last e['steps'].
+        first = len(llm.engine.step_stats) - e["steps"]
         line = (f"{n:4d} requests: {e['tokens_per_s']:8.0f} tok/s, {e['ms_per_decode_step']:.3f} ms/decode step "
                 f"(sched {e['schedule_ms']:.3f} prep {e['prepare_ms']:.3f} fwd {e['forward_ms']:.3f} "
                 f"sample {e['sample_ms']:.3f} wait {e['wait_ms']:.3f} update {e['update_ms']:.3f}); "
                 f"GPU busy {e.get('gpu_busy_ms', float('nan')):.3f} ms, idle {100 * e.get('gpu_idle_share', 0):.1f}%; "
                 f"{e['seconds'] * 1e3:.1f} ms in all, {e['steps']} steps")
+        line += "\n" + step_table(llm, first)
         print(line, flush=True)
         lines.append(line)
         if not opts.no_kernels:

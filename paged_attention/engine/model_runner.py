@@ -217,12 +217,16 @@ class ModelRunner:
             if new.req_id not in self._generators:
                 self._generators[new.req_id] = self._generator(new.sampling_params)
         cached = so.scheduled_cached_reqs
-        index_of, num_computed = states.index_of, states.num_computed
-        for req_id, computed, new_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
-            row = index_of[req_id]
-            num_computed[row] = computed
-            if new_ids is not None and (new_ids[0] or req_id in cached.resumed_req_ids):
-                self.tables.set_row(row, new_ids[0], overwrite=req_id in cached.resumed_req_ids)
+        if not cached.req_ids:
+            return
+        # Every running request's computed count at once; then the few that gained blocks.
+        rows = np.fromiter(map(states.index_of.__getitem__, cached.req_ids), dtype=np.int64,
+                           count=len(cached.req_ids))
+        states.num_computed[rows] = cached.num_computed_tokens
+        resumed = cached.resumed_req_ids
+        for i, new_ids in enumerate(cached.new_block_ids):
+            if new_ids is not None and (new_ids[0] or cached.req_ids[i] in resumed):
+                self.tables.set_row(int(rows[i]), new_ids[0], overwrite=cached.req_ids[i] in resumed)
 
     def reset(self) -> None:
         """Forget every request (the engine dropped them all); staged table writes included."""
