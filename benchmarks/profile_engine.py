@@ -40,12 +40,15 @@ def kernel_table(llm: LLM, n: int, prompt_len: int) -> str:
 
     engine = llm.engine
     graphs, engine.runner.graphs = engine.runner.graphs, None
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = make_prompts(n, prompt_len, llm.config.vocab_size, seed=99)
     for i, p in enumerate(prompts):
         engine.add_request(f"prof-{i}", p, params)
-    for _ in range(3):                          # the prefill, then decode steps
+    # The prefill (a few steps for many requests), until a decode-only step has run.
+    first = len(engine.step_stats)
+    while not any(s.decode_only for s in engine.step_stats[first:]):
         engine.step()
+    engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()

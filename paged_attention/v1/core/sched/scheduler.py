@@ -41,7 +41,6 @@ pipeline parallelism, streaming input sessions, pausing, and statistics.
 """
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -308,7 +307,7 @@ class Scheduler:
                 req_index += 1
                 continue
 
-            num_new_tokens = (request.num_tokens + request.num_output_placeholders
+            num_new_tokens = (len(request._all_token_ids) + request.num_output_placeholders
                               - request.num_computed_tokens)
             if 0 < step.long_prefill_threshold < num_new_tokens:
                 num_new_tokens = step.long_prefill_threshold
@@ -486,32 +485,24 @@ class Scheduler:
 
     def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
                                   req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
-        req_ids: list[str] = []
-        resumed_req_ids: set[str] = set()
+        reqs = running_reqs + resumed_reqs if resumed_reqs else running_reqs
+        # One comprehension per field (this runs for every running request every step).
+        req_ids = [req.request_id for req in reqs]
+        resumed_req_ids = {req.request_id for req in resumed_reqs}
         all_token_ids: dict[str, list[int]] = {}
-        new_block_ids: list[Optional[tuple[list[int], ...]]] = []
-        num_computed_tokens: list[int] = []
-        num_output_tokens: list[int] = []
-        num_running = len(running_reqs)
+        if not self.use_v2_model_runner:
+            prev = self.prev_step_scheduled_req_ids
+            all_token_ids = {req.request_id: list(req.all_token_ids) for req in reqs
+                             if req.request_id not in prev}
         # Most steps give most requests no new block: the manager's shared empty answer.
         no_blocks = self.kv_cache_manager.empty_kv_cache_blocks
-        send_all_tokens = not self.use_v2_model_runner
-        for idx, req in enumerate(itertools.chain(running_reqs, resumed_reqs)):
-            req_id = req.request_id
-            req_ids.append(req_id)
-            if idx >= num_running:
-                resumed_req_ids.add(req_id)
-            if send_all_tokens and req_id not in self.prev_step_scheduled_req_ids:
-                all_token_ids[req_id] = list(req.all_token_ids)
-            blocks = req_to_new_blocks[req_id]
-            new_block_ids.append(None if blocks is no_blocks
-                                 else blocks.get_block_ids(allow_none=True))
-            num_computed_tokens.append(req.num_computed_tokens)
-            num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
-        return CachedRequestData(req_ids=req_ids, resumed_req_ids=resumed_req_ids,
-                                 all_token_ids=all_token_ids, new_block_ids=new_block_ids,
-                                 num_computed_tokens=num_computed_tokens,
-                                 num_output_tokens=num_output_tokens)
+        new_block_ids = [None if blocks is no_blocks else blocks.get_block_ids(allow_none=True)
+                         for blocks in map(req_to_new_blocks.__getitem__, req_ids)]
+        return CachedRequestData(
+            req_ids=req_ids, resumed_req_ids=resumed_req_ids, all_token_ids=all_token_ids,
+            new_block_ids=new_block_ids,
+            num_computed_tokens=[req.num_computed_tokens for req in reqs],
+            num_output_tokens=[len(req._output_token_ids) + req.num_output_placeholders for req in reqs])
 
     # ---- The model's answer ---------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -589,6 +580,13 @@ class Scheduler:
         """Append the sampled tokens one by one, stopping at the first that ends the request
         (the tokens after it are dropped). Returns the tokens kept and whether it stopped."""
         num_new_tokens = len(new_token_ids)
+        if num_new_tokens == 1:
+            # One token (every step without speculative decoding): no loop, nothing to drop.
+            request.append_output_token_ids(new_token_ids[0])
+            stopped = check_stop(request, self.max_model_len)
+            if not is_stale and request.num_output_placeholders > 0:
+                request.num_output_placeholders -= 1
+            return new_token_ids, stopped
         stopped = False
         for num_kept, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(token_id)
