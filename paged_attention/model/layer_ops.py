@@ -17,6 +17,9 @@ and two that join a norm with the projection after it, for the QKV and the gate-
 * ``norm_linear_silu_mul(x, residual, norm_weight, gate_up_weight)``: ``add_norm``, the gate-up
   projection and ``silu_and_mul`` (``(act, new residual)``).
 
+Like ``add_norm``'s, their ``residual`` argument is consumed: the new stream may be stored in it,
+or be a new tensor; a caller goes on with the one returned.
+
 Two sets: :class:`TorchLayerOps`, the torch lines of Hugging Face's Llama (six kernels for a norm,
 about ten for the rotary embedding, a cache write after it), and :class:`FusedLayerOps`, one Triton
 launch each (``kernels/triton/layer_ops.py``: the residual add with the norm, the rotary embedding
@@ -221,16 +224,22 @@ class FusedLayerOps:
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.size(0) > self._small_batch:
-            x, residual = self.add_norm(x, residual, norm_weight)
+            x, residual = self._add_norm_any_strides(x, residual, norm_weight)
             return F.linear(x, weight), residual
         return self._norm_linear(x, residual, norm_weight, weight, False)
 
     def norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                              gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.size(0) > self._small_batch:
-            x, residual = self.add_norm(x, residual, norm_weight)
+            x, residual = self._add_norm_any_strides(x, residual, norm_weight)
             return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
         return self._norm_linear(x, residual, norm_weight, gate_up_weight, True)
+
+    def _add_norm_any_strides(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The norm kernel reads contiguous rows (what the model passes): copy a view first.
+        return self.add_norm(x.contiguous(), None if residual is None else residual.contiguous(),
+                             norm_weight.contiguous())
 
     def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                      weight: torch.Tensor, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
