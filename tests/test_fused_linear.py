@@ -4,6 +4,11 @@ and the whole model with them against the model without. Interpreted on a CPU (t
 and fp16), compiled on a GPU (bf16 too)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -322,3 +327,18 @@ def test_default_config_covers_small_batches():
     for M in (1, 16, 17, 64, 300):
         cfg = fused_linear.default_config(M, 576, 576)
         assert 16 <= cfg.BLOCK_M <= 64 and cfg.BLOCK_M >= min(M, 64)
+
+
+def test_benchmark_script_runs():
+    """benchmarks/bench_fused_linear.py --smoke: tiny shapes in the interpreter, every row printed
+    (fused and unfused first checked to agree), the sweep too."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fused_linear.py"), "--smoke", "--sweep",
+                           "--m", "1,17"], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    table = [r for r in rows if r and r[0] in ("qkv", "gate_up", "o_proj", "down") and r[1].isdigit()]
+    assert [(r[0], r[1]) for r in table] == [(op, m) for op in ("qkv", "gate_up", "o_proj", "down") for m in "1 17".split()]
+    assert sum(1 for r in rows if r and r[1].startswith("M=")) == 8
