@@ -24,8 +24,8 @@ Two sets: :class:`TorchLayerOps`, the torch lines of Hugging Face's Llama (six k
 about ten for the rotary embedding, a cache write after it), and :class:`FusedLayerOps`, one Triton
 launch each (``kernels/triton/layer_ops.py``: the residual add with the norm, the rotary embedding
 with the cache write; ``kernels/triton/fused_linear.py``: for a small batch, the norm with the
-projection after it, and with SwiGLU too). The model picks one when it is built, so its forward pass is one loop
-with no per-call branching; the tests run both on the same inputs and compare.
+projection after it, and with SwiGLU too). The model picks one when it is built, so its forward
+pass is one loop with no per-call branching; the tests run both on the same inputs and compare.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class RotaryEmbedding:
 
 
 class TorchLayerOps:
-    """The three operations in plain torch (any device, any cache layout)."""
+    """The operations in plain torch (any device, any cache layout)."""
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         self.eps = config.rms_norm_eps
