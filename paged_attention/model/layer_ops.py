@@ -10,11 +10,22 @@ operations in between:
   queries, which the attention reads;
 * ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` on the fused gate-up output.
 
+and two that join a norm with the projection after it, for the QKV and the gate-up projections:
+
+* ``norm_linear(x, residual, norm_weight, weight)``: ``add_norm`` then ``F.linear``
+  (``(out, new residual)``);
+* ``norm_linear_silu_mul(x, residual, norm_weight, gate_up_weight)``: ``add_norm``, the gate-up
+  projection and ``silu_and_mul`` (``(act, new residual)``).
+
+Like ``add_norm``'s, their ``residual`` argument is consumed: the new stream may be stored in it,
+or be a new tensor; a caller goes on with the one returned.
+
 Two sets: :class:`TorchLayerOps`, the torch lines of Hugging Face's Llama (six kernels for a norm,
 about ten for the rotary embedding, a cache write after it), and :class:`FusedLayerOps`, one Triton
 launch each (``kernels/triton/layer_ops.py``: the residual add with the norm, the rotary embedding
-with the cache write). The model picks one when it is built, so its forward pass is one loop
-with no per-call branching; the tests run both on the same inputs and compare.
+with the cache write; ``kernels/triton/fused_linear.py``: for a small batch, the norm with the
+projection after it, and with SwiGLU too). The model picks one when it is built, so its forward
+pass is one loop with no per-call branching; the tests run both on the same inputs and compare.
 """
 from __future__ import annotations
 
@@ -65,7 +76,7 @@ class RotaryEmbedding:
 
 
 class TorchLayerOps:
-    """The three operations in plain torch (any device, any cache layout)."""
+    """The operations in plain torch (any device, any cache layout)."""
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         self.eps = config.rms_norm_eps
@@ -98,12 +109,31 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.add_norm(x, residual, norm_weight)
+        return F.linear(x, weight), residual
+
+    def norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                             gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.add_norm(x, residual, norm_weight)
+        return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
+
 
 class FusedLayerOps:
     """The three operations as one Triton launch each (a GPU; the interpreter runs them on a CPU,
     slowly, for the tests). The rotary embedding carries the cache write when the cache is in the
     flash layout; the v0 layout's writer (``attention="cuda"``) follows an in-place rotation.
-    Launches go through ``Launcher``s made once: an eager step calls these 90 times."""
+    Launches go through ``Launcher``s made once: an eager step calls these 90 times.
+
+    ``norm_linear`` and ``norm_linear_silu_mul`` are one launch each for at most ``small_batch``
+    token rows (a decode step of up to that many requests), where a GEMM library's fixed cost
+    dominates; above it, the norm kernel then ``F.linear`` (then ``silu_and_mul``). Their new
+    residual stream is a new tensor (``fused_linear``'s docstring says why). Their tiles are
+    ``fused_linear.default_config``'s unless ``linear_config`` is set (a ``FusedLinearConfig``,
+    or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
+
+    SMALL_BATCH = 64
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -129,6 +159,22 @@ class FusedLayerOps:
         self._with_cache = attn.layout == "flash"
         self._rope_cache: dict[tuple, Launcher] = {}        # by the caches' strides and block size
         self._kernels, self._launcher, self._next_power_of_2 = k, Launcher, next_power_of_2
+        from paged_attention.kernels.triton import fused_linear
+        self._fused_linear, self._eps = fused_linear, float(config.rms_norm_eps)
+        self._linear_launchers: dict[tuple, Launcher] = {}
+        self.small_batch = self.SMALL_BATCH
+        self.linear_config = None
+
+    @property
+    def small_batch(self) -> int:
+        """The most token rows that take the fused norm-and-projection kernels (64 by default)."""
+        return self._small_batch
+
+    @small_batch.setter
+    def small_batch(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"small_batch must be an int >= 0, got {value!r}")
+        self._small_batch = value
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +220,58 @@ class FusedLayerOps:
         if gate_up.size(0):
             self._act((gate_up.size(0), self._act_cols), gate_up, out)
         return out
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.size(0) > self._small_batch:
+            x, residual = self._add_norm_any_strides(x, residual, norm_weight)
+            return F.linear(x, weight), residual
+        return self._norm_linear(x, residual, norm_weight, weight, False)
+
+    def norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                             gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.size(0) > self._small_batch:
+            x, residual = self._add_norm_any_strides(x, residual, norm_weight)
+            return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
+        return self._norm_linear(x, residual, norm_weight, gate_up_weight, True)
+
+    def _add_norm_any_strides(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The norm kernel reads contiguous rows (what the model passes): copy a view first.
+        return self.add_norm(x.contiguous(), None if residual is None else residual.contiguous(),
+                             norm_weight.contiguous())
+
+    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     weight: torch.Tensor, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        fl = self._fused_linear
+        M, K = x.shape
+        N = weight.size(0) // 2 if silu else weight.size(0)
+        config = self.linear_config
+        if config is None:
+            config = fl.default_config(M, N, K, silu)
+        elif not isinstance(config, fl.FusedLinearConfig):
+            config = config(M, N, K, silu)
+        if not (x.is_contiguous() and weight.is_contiguous() and norm_weight.is_contiguous()
+                and (residual is None or residual.is_contiguous())):
+            # Views the fixed strides below do not describe: the checked front-end, which honours strides.
+            return fl.norm_linear(x, norm_weight, weight, self._eps, residual,
+                                  act="silu_and_mul" if silu else None, config=config)
+        key = (residual is not None, silu, N, K, config)
+        launch = self._linear_launchers.get(key)
+        if launch is None:
+            launch = self._linear_launchers[key] = self._launcher(
+                fl._fused_linear_kernel, ("x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "out_ptr",
+                                          "stream_ptr", "M"),
+                N=N, K=K, eps=self._eps, stride_xm=K, stride_xk=1, stride_rm=K, stride_rk=1, stride_nw=1,
+                stride_wn=K, stride_wk=1, HAS_NORM=True, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
+                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+        out = x.new_empty(M, N)
+        stream = x if residual is None else x.new_empty(M, K)
+        if M:
+            grid = (-(-N // config.BLOCK_N), -(-M // config.BLOCK_M))
+            launch(grid, x, x if residual is None else residual, norm_weight, weight, out, stream, M)
+        return out, stream
 
 
 def can_fuse(config: LlamaConfig) -> bool:

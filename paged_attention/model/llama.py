@@ -14,7 +14,8 @@ The attention (``model/attention.py``) reads each request's whole sequence back 
 cache; the step's keys and values go into it with the rotary embedding. The small operations
 between the projections (the residual add with its norm, the rotary embedding with the cache
 write, SwiGLU's product) are chosen once, when the model is built: plain torch, or one fused
-Triton launch each (``model/layer_ops.py``). So the forward pass is one loop.
+Triton launch each (``model/layer_ops.py``), where at a small batch the norm also joins the
+projection that follows it (QKV, gate-up with SwiGLU). So the forward pass is one loop.
 
 For speed, work that does not depend on the step is done once at load time: the Q, K and V
 projections are fused into one matrix (``qkv_proj``, vLLM's ``QKVParallelLinear``) and gate and up
@@ -178,13 +179,14 @@ class LlamaForCausalLM:
         hidden, residual = self.embed_tokens[input_ids], None                # [T, hidden]
         rope = ops.rope_inputs(positions)                                    # once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = ops.add_norm(hidden, residual, layer["input_layernorm"])
-            q = ops.rope_and_cache(F.linear(x, layer["qkv_proj"]), rope, kv_cache, batch.slot_mapping)
+            qkv, residual = ops.norm_linear(hidden, residual, layer["input_layernorm"], layer["qkv_proj"])
+            q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
             o = self.attn.decode(q, kv_cache, batch) if batch.is_decode_only else \
                 self.attn.mixed(q, kv_cache, batch, split)
             hidden = F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
-            x, residual = ops.add_norm(hidden, residual, layer["post_attention_layernorm"])
-            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up_proj"])), layer["down_proj"])
+            act, residual = ops.norm_linear_silu_mul(hidden, residual, layer["post_attention_layernorm"],
+                                                     layer["gate_up_proj"])
+            hidden = F.linear(act, layer["down_proj"])
         if not batch.is_decode_only:
             # Only each request's last new token is sampled from: request i's is row query_start_loc[i+1] - 1.
             last = batch.query_start_loc[1:].long() - 1

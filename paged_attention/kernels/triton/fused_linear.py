@@ -1,0 +1,261 @@
+"""A projection with the residual add and RMSNorm fused in front of it, and SwiGLU behind it.
+
+At a small batch a decode step is latency-bound: each of a layer's four GEMMs takes about four
+microseconds in cuBLAS whatever its size, though its weights (0.4 to 3.5 MB for SmolLM2-135M) are
+read in well under one, and the norm and the SwiGLU product are launches of their own. Here the
+work between two projections becomes one kernel:
+
+* ``norm_linear(x, norm_weight, weight, eps, residual)``: ``linear(rms_norm(x + residual), W)``.
+  Every program recomputes the norm of its own rows (a hidden size of 576 is a few kilobytes):
+  that costs a re-read from the L2 cache, and saves the launch of a separate norm;
+* ``act="silu_and_mul"``: the gate/up projection with SwiGLU as its epilogue: each program
+  computes the gate and the up columns of the same indices and writes only ``silu(gate) * up``,
+  so the ``[tokens, 2 * intermediate]`` product never goes to memory;
+* ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM (for o_proj and
+  down_proj, where it beats cuBLAS, if it does: ``benchmarks/bench_fused_linear.py`` measures).
+
+The arithmetic is that of the unfused path (``layer_ops.add_rms_norm`` then ``F.linear`` then
+``layer_ops.silu_and_mul``), rounding for rounding: the sum rounded to the model's dtype, the norm
+in float32, the normalised value rounded before the weight multiply and the product rounded, a
+float32 accumulation, the GEMM's outputs rounded to the dtype before SwiGLU, silu rounded before
+the product. Only the order of the float32 sums differs, so results agree to a float32 rounding
+before the last cast.
+
+The residual stream. ``add_rms_norm`` stores ``x + residual`` back into ``residual``. Here many
+programs (one per tile of output columns) read the same rows of ``residual``, and no program can
+wait for the others: if one of them wrote the sum in place, another could still be about to read
+the old value, and would add twice. So the sum goes to a new tensor, written once (by the programs
+of the first column tile), and the front-end returns it as the stream; ``residual`` is only read.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_attention.kernels import args
+from paged_attention.kernels.triton.common import check_triton_dtype
+from paged_attention.utils import next_power_of_2
+
+
+@triton.jit
+def _load_stream(x_ptr, residual_ptr, rows, row_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
+                 HAS_RESIDUAL: tl.constexpr):
+    """Columns ``k`` of rows ``rows`` of the stream: ``x + residual`` rounded to x's dtype (as
+    torch's add is), or ``x`` itself. Out-of-range rows and columns read as 0."""
+    mask = row_mask[:, None] & (k < K)[None, :]
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + rows[:, None] * stride_rm + k[None, :] * stride_rk, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def _dot(a, b, acc):
+    # float32 tensors multiply in IEEE float32, as F.linear does (by default tl.dot would round
+    # float32 inputs to TF32 on the GPU); float16 and bfloat16 accumulate in float32 either way.
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
+                         M, N, K, eps,
+                         stride_xm, stride_xk, stride_rm, stride_rk, stride_nw, stride_wn, stride_wk,
+                         HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (column tile, row tile): output columns rn of rows rm. out is [M, N] contiguous;
+    # weight row n holds output column n's K coefficients (F.linear's [N, K]); with SwiGLU, weight
+    # is [2N, K]: the gate's row n, then the up projection's row N + n.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    rows = rm.to(tl.int64)
+    cols = rn.to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+
+    # Pass 1 (with the norm): each row's sum of squares, over K in chunks. The programs of the first
+    # column tile also store the stream (x + residual) into the new stream tensor, [M, K] contiguous.
+    if HAS_NORM:
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # The rows this program stores: its own, if it is in the first column tile (none otherwise).
+        store_rows = m_mask & (tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n == 0)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            h = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
+                             HAS_RESIDUAL)
+            hf = h.to(tl.float32)
+            sum_sq += tl.sum(hf * hf, axis=1)
+            if HAS_RESIDUAL:
+                tl.store(stream_ptr + rows[:, None] * K + k[None, :], h,
+                         mask=store_rows[:, None] & (k < K)[None, :])
+        inv_rms = 1.0 / tl.sqrt(sum_sq / K + eps)
+
+    # Pass 2: the GEMM, one K chunk at a time. With the norm, the chunk of the stream is normalised
+    # on the way in: float32, rounded to the dtype, times the norm weight, rounded again.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SILU_AND_MUL:
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
+                         HAS_RESIDUAL)
+        if HAS_NORM:
+            w_norm = tl.load(norm_weight_ptr + k * stride_nw, mask=k_mask, other=0.0).to(tl.float32)
+            y = (a.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
+            a = (y * w_norm[None, :]).to(dtype)
+        # The weight tile transposed, [BLOCK_K, BLOCK_N]: element (k, n) is weight[n, k].
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_tile = weight_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk
+        acc = _dot(a, tl.load(w_tile, mask=w_mask, other=0.0), acc)
+        if SILU_AND_MUL:
+            acc_up = _dot(a, tl.load(w_tile + N * stride_wn, mask=w_mask, other=0.0), acc_up)
+
+    if SILU_AND_MUL:
+        # As the unfused path: the projection's outputs rounded to the dtype, silu rounded before
+        # the product.
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        result = (act * up).to(dtype)
+    else:
+        result = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], result, mask=m_mask[:, None] & n_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Meta-parameters
+# --------------------------------------------------------------------------------------------
+
+class FusedLinearConfig(NamedTuple):
+    """The kernel's tile sizes and launch options. ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``: powers of
+    two, at least 16 (``tl.dot``'s smallest tile)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(M: int, N: int, K: int, silu_and_mul: bool = False) -> FusedLinearConfig:
+    """Tiles for ``M`` rows (the token count), ``N`` output columns, ``K`` inputs. All the rows of a
+    small batch in one row tile (up to 64: the weights are then read once); narrow column tiles, so
+    that even N = 576 makes a few dozen programs to spread the weight reads over the GPU; K in
+    chunks of 64. A starting point: the benchmark's ``--sweep`` tries others on the GPU."""
+    block_m = min(64, max(16, next_power_of_2(M)))
+    block_n = 32 if N >= 1024 or silu_and_mul else 16
+    return FusedLinearConfig(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+
+
+def _check_config(config: object) -> FusedLinearConfig:
+    if not isinstance(config, FusedLinearConfig):
+        raise TypeError(f"config must be a FusedLinearConfig, got {args.type_name(config)}")
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        v = getattr(config, name)
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {v!r}")
+    for name in ("num_warps", "num_stages"):
+        v = getattr(config, name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"config.{name} must be a positive int, got {v!r}")
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Front-ends
+# --------------------------------------------------------------------------------------------
+
+ACTIVATIONS = (None, "silu_and_mul")
+
+
+def _check(x: object, weight: object, norm_weight: object, residual: object, act: object
+           ) -> tuple[int, int, int]:
+    """Typed errors for anything the kernel cannot run, before any launch: ``(M, N, K)``."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+    tensors = {"x": x, "weight": weight}
+    if norm_weight is not None:
+        tensors["norm_weight"] = norm_weight
+    if residual is not None:
+        tensors["residual"] = residual
+    device = args.same_device(**tensors)
+    args.tensor("x", x, ndim=2, dtypes=args.FLOAT_DTYPES)
+    args.tensor("weight", weight, ndim=2)
+    M, K = x.shape
+    for name, t in tensors.items():
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if K == 0:
+        raise ValueError("x must have at least one column (the hidden size)")
+    if weight.size(1) != K:
+        raise ValueError(f"weight must be [N, K={K}] (F.linear's layout), got {list(weight.shape)}")
+    if act == "silu_and_mul" and weight.size(0) % 2:
+        raise ValueError(f"with act='silu_and_mul', weight holds the gate rows then as many up rows: an even "
+                         f"number of rows, got {weight.size(0)}")
+    if norm_weight is not None:
+        args.shape("norm_weight", norm_weight, (K,))
+    if residual is not None:
+        args.shape("residual", residual, (M, K))
+    if device.type != "cuda":
+        from paged_attention import runtime
+        if not runtime.TRITON_INTERPRET:
+            raise ValueError(f"the tensors are on {device.type}, but Triton compiles for the GPU here: move them to cuda")
+    check_triton_dtype(x)
+    N = weight.size(0) // 2 if act == "silu_and_mul" else weight.size(0)
+    return M, N, K
+
+
+def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K):
+    silu = act == "silu_and_mul"
+    config = _check_config(config if config is not None else default_config(M, N, K, silu))
+    out = x.new_empty(M, N)
+    stream = x.new_empty(M, K) if residual is not None else x
+    if M and N:
+        r = residual if residual is not None else x
+        nw = norm_weight if norm_weight is not None else x
+        grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, config.BLOCK_M))
+        _fused_linear_kernel[grid](
+            x, r, nw, weight, out, stream, M, N, K, float(eps),
+            x.stride(0), x.stride(1), r.stride(0), r.stride(1), nw.stride(0), weight.stride(0), weight.stride(1),
+            HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
+            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+    return out, stream
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None, *, act: str | None = None,
+                config: FusedLinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual) * norm_weight, weight), x + residual)`` in one launch.
+
+    ``x``, ``residual``: ``[M, K]``; ``norm_weight``: ``[K]``; ``weight``: ``[N, K]`` (F.linear's),
+    or with ``act="silu_and_mul"`` ``[2N, K]`` (gate rows, then up rows) and the output is
+    ``silu(gate) * up``, ``[M, N]``. All of one dtype and device; any strides. The output and the
+    new stream are new contiguous tensors; ``residual`` is left as it was (see the module
+    docstring). Without ``residual`` (a model's first layer) only the norm, and the stream
+    returned is ``x`` itself. ``config``: tile sizes, ``default_config(M, N, K)`` if None.
+    """
+    M, N, K = _check(x, weight, norm_weight, residual, act)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    return _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
+           config: FusedLinearConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (``x`` ``[M, K]``, ``weight`` ``[N, K]``, one dtype, any strides) by
+    the same kernel without the norm, for a small M; with ``act="silu_and_mul"`` (weight ``[2N, K]``)
+    ``silu(gate) * up``. A float32 accumulation, the output in x's dtype."""
+    M, N, K = _check(x, weight, None, None, act)
+    return _launch(x, weight, None, None, 0.0, act, config, M, N, K)[0]
+
+
+__all__ = ["FusedLinearConfig", "default_config", "norm_linear", "linear"]

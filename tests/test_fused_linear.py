@@ -1,0 +1,344 @@
+"""The norm-and-projection kernel (kernels/triton/fused_linear.py) against a float64 reference of
+the same arithmetic, the layer operations built on it (model/layer_ops.py) against the torch set,
+and the whole model with them against the model without. Interpreted on a CPU (tiny shapes, fp32
+and fp16), compiled on a GPU (bf16 too)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_attention import runtime
+from paged_attention.kernels.triton import fused_linear
+from paged_attention.kernels.triton.fused_linear import FusedLinearConfig, linear, norm_linear
+from paged_attention.model import LlamaConfig, LlamaForCausalLM, random_weights
+from paged_attention.model.attention import PagedAttention
+from paged_attention.model.layer_ops import FusedLayerOps, RotaryEmbedding, TorchLayerOps
+from tests.conftest import dtype_params
+
+DEV = runtime.DEVICE
+EPS = 1e-5
+CONFIG = LlamaConfig.tiny()
+
+
+def _inputs(M: int, N: int, K: int, dtype: torch.dtype, silu: bool = False, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    residual = torch.randn(M, K, generator=g).to(DEV, dtype)
+    norm_weight = (1 + 0.2 * torch.randn(K, generator=g)).to(DEV, dtype)
+    weight = (torch.randn(2 * N if silu else N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    return x, residual, norm_weight, weight
+
+
+def _reference(x, norm_weight, weight, residual, silu):
+    """The arithmetic of the unfused path in float64, rounding to the dtype where it does: the
+    stream, the normalised value, its product with the norm weight (the GEMM's input ``a``), and
+    with SwiGLU the projection's outputs and silu. Returns ``(out, stream, a)``, ``out`` in float64
+    before its last rounding."""
+    dt = x.dtype
+    h = x if residual is None else (x.double() + residual.double()).to(dt)     # exact, then one rounding
+    hd = h.double()
+    y = (hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + EPS)).to(dt)
+    a = (y.double() * norm_weight.double()).to(dt)
+    out = a.double() @ weight.double().T
+    if silu:
+        gate, up = out.to(dt).double().chunk(2, dim=-1)
+        act = (gate * torch.sigmoid(gate)).to(dt).double()
+        out = act * up
+    return out, h, a
+
+
+def _check(out, stream, x, norm_weight, weight, residual, silu):
+    """AssertionError unless ``out`` and ``stream`` are what the fused kernel must give.
+
+    The stream is exact: one rounding of an exact sum, as torch's add. The output may differ from
+    the float64 reference only by what float32 and the dtype's roundings allow. With ``u`` the
+    dtype's unit roundoff (half its machine epsilon) and ``S = |a| @ |W|^T`` (per output), the
+    kernel's ``a`` may sit one rounding away from the reference's (its norm is taken in float32, so
+    a value near a rounding boundary can fall on the other side, twice: ``y`` and ``y * w``), which
+    moves the dot product by at most ``4u * S``; the float32 accumulation of K products adds at most
+    ``K * 2^-24 * S``; the final rounding ``u * |out|``. With SwiGLU the bound of each projection's
+    output (plus its rounding) goes through silu (slope below 1.1) and the product, then two more
+    roundings (silu's and the product's).
+    """
+    want, want_stream, a = _reference(x, norm_weight, weight, residual, silu)
+    assert stream.dtype == x.dtype and torch.equal(stream, want_stream), "the residual stream is wrong"
+    u = torch.finfo(x.dtype).eps / 2
+    K = x.size(1)
+    proj = a.double() @ weight.double().T
+    S = a.double().abs() @ weight.double().abs().T
+    err = S * (4 * u + K * 2.0 ** -24) + u * proj.abs()
+    if silu:
+        gate, up = proj.to(x.dtype).double().chunk(2, dim=-1)
+        e_gate, e_up = err.chunk(2, dim=-1)
+        e_gate, e_up = e_gate + u * gate.abs(), e_up + u * up.abs()     # the roundings to the dtype
+        act = (gate * torch.sigmoid(gate)).double()
+        e_act = 1.1 * e_gate + u * act.abs() + 1e-300
+        err = (act.abs() + e_act) * e_up + up.abs() * e_act + u * (act * up).abs()
+    bound = err + u * want.abs() + 1e-300
+    assert out.shape == want.shape and out.dtype == x.dtype
+    excess = (out.double() - want).abs() / bound
+    assert excess.max() <= 1, f"the output is off by {excess.max():.3g}x the error bound"
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel against the float64 reference
+# --------------------------------------------------------------------------------------------
+
+# (N, K): multiples of the tiles, and not (K=72 ends in a part-filled chunk of 64, N=40 a
+# part-filled column tile).
+SHAPES = [(32, 64), (40, 72)]
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu_and_mul"])
+def test_norm_linear_equals_reference(dtype, M, N, K, silu):
+    x, residual, norm_weight, weight = _inputs(M, N, K, dtype, silu, seed=M)
+    before = residual.clone()
+    act = "silu_and_mul" if silu else None
+    out, stream = norm_linear(x, norm_weight, weight, EPS, residual, act=act)
+    _check(out, stream, x, norm_weight, weight, residual, silu)
+    assert torch.equal(residual, before)                    # only read: the sum is a new tensor
+    # Without a residual (a model's first layer): the norm of x, and x itself is the stream.
+    out, stream = norm_linear(x, norm_weight, weight, EPS, act=act)
+    assert stream is x
+    _check(out, stream, x, norm_weight, weight, None, silu)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_tiles_of_every_size_give_the_same_answer(dtype):
+    """Several row tiles, several column tiles, K in several chunks or one: the stream is written
+    once by the first column tile, whatever the tiling."""
+    x, residual, norm_weight, weight = _inputs(37, 48, 80, dtype, silu=True)
+    for config in [FusedLinearConfig(16, 16, 16), FusedLinearConfig(32, 64, 128), FusedLinearConfig(64, 32, 32)]:
+        out, stream = norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul", config=config)
+        _check(out, stream, x, norm_weight, weight, residual, True)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_plain_linear_equals_float64(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 72, generator=g).to(DEV, dtype)
+    w = (torch.randn(40, 72, generator=g) / 8).to(DEV, dtype)
+    want = x.double() @ w.double().T
+    u = torch.finfo(dtype).eps / 2
+    bound = (x.double().abs() @ w.double().abs().T) * 72 * 2.0 ** -24 + u * want.abs()
+    assert ((linear(x, w).double() - want).abs() <= bound).all()
+
+
+def test_strides_are_honoured():
+    """Views (a column slice, a transposed weight, every other row of a residual) give what their
+    contiguous copies give."""
+    x, residual, norm_weight, weight = _inputs(6, 24, 40, torch.float32, silu=True)
+    wide = torch.randn(6, 50, device=DEV)
+    wide[:, 5:45] = x
+    tall = torch.randn(12, 40, device=DEV)
+    tall[::2] = residual
+    views = dict(x=wide[:, 5:45], residual=tall[::2], weight=weight.t().contiguous().t(),
+                 norm_weight=torch.stack([norm_weight, norm_weight], 1)[:, 0])
+    assert not any(v.is_contiguous() for v in views.values())
+    got = norm_linear(views["x"], views["norm_weight"], views["weight"], EPS, views["residual"], act="silu_and_mul")
+    want = norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# --------------------------------------------------------------------------------------------
+# The check can fail: planted bugs
+# --------------------------------------------------------------------------------------------
+
+def _planted(bug, x, residual, norm_weight, weight):
+    """What a kernel with ``bug`` would return (the real kernel, run in a wrong configuration)."""
+    silu = "silu_and_mul"
+    N = weight.size(0) // 2
+    if bug == "norm skipped":
+        stream = (x + residual)
+        return linear(stream, weight, act=silu), stream
+    if bug == "residual not added":
+        out, _ = norm_linear(x, norm_weight, weight, EPS, act=silu)
+        return out, x + residual
+    if bug == "stream not written":
+        out, _ = norm_linear(x, norm_weight, weight, EPS, residual, act=silu)
+        return out, residual.clone()
+    if bug == "stream rows shifted":
+        out, stream = norm_linear(x, norm_weight, weight, EPS, residual, act=silu)
+        return out, stream.roll(1, dims=0)
+    if bug == "gate and up swapped":
+        swapped = torch.cat([weight[N:], weight[:N]])
+        return norm_linear(x, norm_weight, swapped, EPS, residual, act=silu)
+    if bug == "tf32 inputs":
+        # float32 inputs cut to TF32's 10-bit mantissa, what tl.dot does by default on a GPU.
+        def tf32(t):
+            return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)
+        out, stream = norm_linear(tf32(x), tf32(norm_weight), tf32(weight), EPS, tf32(residual), act=silu)
+        return out, (x + residual)
+    raise AssertionError(bug)
+
+
+@pytest.mark.parametrize("bug", ["norm skipped", "residual not added", "stream not written",
+                                 "stream rows shifted",
+                                 "gate and up swapped", "tf32 inputs"])
+def test_check_fails_on_a_planted_bug(bug):
+    x, residual, norm_weight, weight = _inputs(17, 40, 72, torch.float32, silu=True, seed=5)
+    out, stream = _planted(bug, x, residual, norm_weight, weight)
+    with pytest.raises(AssertionError):
+        _check(out, stream, x, norm_weight, weight, residual, True)
+    # The same check passes the real kernel on the same inputs.
+    _check(*norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul"),
+           x, norm_weight, weight, residual, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a typed error before any launch
+# --------------------------------------------------------------------------------------------
+
+def test_bad_input_is_refused_before_launch():
+    x, residual, norm_weight, weight = _inputs(4, 16, 32, torch.float32)
+    before = residual.clone()
+    bad = [
+        (TypeError, dict(weight=weight.half())),                          # dtypes differ
+        (TypeError, dict(residual=residual.half())),
+        (TypeError, dict(norm_weight=norm_weight.double())),
+        (TypeError, dict(x=x.long(), weight=weight.long(), residual=residual.long(),
+                         norm_weight=norm_weight.long())),                # not a float type
+        (TypeError, dict(x=x.tolist())),                                  # not a tensor
+        (ValueError, dict(weight=weight[:, :-1])),                        # K differs
+        (ValueError, dict(residual=residual[:-1])),                       # rows differ
+        (ValueError, dict(norm_weight=norm_weight[:-1])),
+        (ValueError, dict(x=x[0])),                                       # not 2-D
+        (ValueError, dict(weight=weight[:-1], act="silu_and_mul")),       # odd gate/up rows
+        (ValueError, dict(act="gelu")),
+        (ValueError, dict(eps=-1.0)),
+        (TypeError, dict(config=(16, 16, 16))),
+        (ValueError, dict(config=FusedLinearConfig(8, 16, 16))),          # below tl.dot's tile
+        (ValueError, dict(config=FusedLinearConfig(16, 48, 16))),         # not a power of two
+    ]
+    for error, change in bad:
+        kw = dict(x=x, norm_weight=norm_weight, weight=weight, eps=EPS, residual=residual)
+        kw.update(change)
+        with pytest.raises(error):
+            norm_linear(**kw)
+        assert torch.equal(residual, before), change
+    with pytest.raises(TypeError):
+        linear(x, weight.half())
+
+
+# --------------------------------------------------------------------------------------------
+# The layer operations and the model
+# --------------------------------------------------------------------------------------------
+
+def _ops():
+    rope = RotaryEmbedding(CONFIG.head_dim, 64, CONFIG.rope_theta, DEV)
+    attn = PagedAttention("reference", CONFIG.num_attention_heads, CONFIG.num_key_value_heads, CONFIG.head_dim, DEV)
+    return TorchLayerOps(CONFIG, rope, attn), FusedLayerOps(CONFIG, rope, attn)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_fused_norm_linear_ops_equal_torch_ones(dtype):
+    """Both operations, on tiny-model shapes, on both sides of ``small_batch``, with and without a
+    residual, through the fixed-stride launch and (views) the checked front-end."""
+    torch_ops, fused_ops = _ops()
+    fused_ops.small_batch = 8
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    hidden, inter = CONFIG.hidden_size, CONFIG.intermediate_size
+    qkv_rows = (CONFIG.num_attention_heads + 2 * CONFIG.num_key_value_heads) * CONFIG.head_dim
+    for M in (1, 5, 8, 11):                                              # 11 > small_batch: unfused
+        x, residual, norm_weight, qkv = _inputs(M, qkv_rows, hidden, dtype, seed=M)
+        gate_up = _inputs(M, inter, hidden, dtype, silu=True, seed=M + 1)[3]
+        x_view = torch.zeros(M, 2 * hidden, dtype=dtype, device=DEV)[:, ::2]
+        x_view.copy_(x)
+        for x_in, r in ((x, residual), (x, None), (x_view, residual)):
+            for op, w in (("norm_linear", qkv), ("norm_linear_silu_mul", gate_up)):
+                # The residual passed in is consumed (above small_batch, add_norm stores the sum in it).
+                want, want_stream = getattr(torch_ops, op)(x_in, None if r is None else r.clone(), norm_weight, w)
+                got, stream = getattr(fused_ops, op)(x_in, None if r is None else r.clone(), norm_weight, w)
+                torch.testing.assert_close(got, want, **tol)
+                assert torch.equal(stream, want_stream)
+                if r is None:
+                    assert stream is x_in
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError):
+            fused_ops.small_batch = bad
+    assert fused_ops.small_batch == 8
+
+
+def test_fused_ops_take_the_configured_tiles(monkeypatch):
+    """``linear_config`` reaches the launch: a config or a function of the shape."""
+    torch_ops, fused_ops = _ops()
+    x, residual, norm_weight, w = _inputs(3, 32, CONFIG.hidden_size, torch.float32)
+    seen = []
+
+    def choose(M, N, K, silu):
+        seen.append((M, N, K, silu))
+        return FusedLinearConfig(16, 16, 32)
+    fused_ops.linear_config = choose
+    got = fused_ops.norm_linear_silu_mul(x, residual, norm_weight, w)
+    assert seen == [(3, 16, CONFIG.hidden_size, True)]
+    want = torch_ops.norm_linear_silu_mul(x, residual, norm_weight, w)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    fused_ops.linear_config = FusedLinearConfig(16, 16, 16)
+    assert fused_ops._linear_launchers and all(k[-1] != fused_ops.linear_config for k in fused_ops._linear_launchers)
+    fused_ops.norm_linear(x, residual, norm_weight, w)
+    assert any(k[-1] == FusedLinearConfig(16, 16, 16) for k in fused_ops._linear_launchers)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_model_fused_equals_unfused(dtype):
+    """The tiny random model, fused and not, on a prefill of two requests (fused: under
+    ``small_batch`` rows), a longer prompt (over it: the norm kernel then F.linear) and decode
+    steps: the same logits."""
+    from tests.test_model import Pager
+    weights = random_weights(CONFIG, seed=4)
+    models = [LlamaForCausalLM(CONFIG, weights, attention="reference", dtype=dtype, device=DEV, fused=f)
+              for f in (False, True)]
+    assert isinstance(models[1].ops, FusedLayerOps)
+    models[1].ops.small_batch = 16
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (9, 5, 20)]
+    steps = [[("a", prompts[0]), ("b", prompts[1])], [("c", prompts[2])],
+             [("a", [3]), ("b", [7]), ("c", [11])], [("a", [1]), ("c", [2])]]
+    tol = dict(atol=1e-4, rtol=0) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    pagers = [Pager(m, 16, 8, seed=1) for m in models]
+    for work in steps:
+        want, got = (p.step(work) for p in pagers)
+        torch.testing.assert_close(got, want, **tol)
+    # Both paths ran: the fused kernels (plain and SwiGLU, with and without a residual) and the norm.
+    assert {key[:2] for key in models[1].ops._linear_launchers} == {(False, False), (True, True), (True, False)}
+
+
+@pytest.mark.cuda
+def test_fused_linear_on_smollm2_shapes_in_bf16():
+    """On the GPU: SmolLM2-135M's two fused projections (QKV 960 x 576, gate-up 2 x 1536 x 576) in
+    bf16, at the batch sizes of decode, against the float64 reference."""
+    for M in (1, 8, 64):
+        for N, silu in ((960, False), (1536, True)):
+            x, residual, norm_weight, weight = _inputs(M, N, 576, torch.bfloat16, silu, seed=M)
+            out, stream = norm_linear(x, norm_weight, weight, EPS, residual,
+                                      act="silu_and_mul" if silu else None)
+            _check(out, stream, x, norm_weight, weight, residual, silu)
+
+
+def test_default_config_covers_small_batches():
+    for M in (1, 16, 17, 64, 300):
+        cfg = fused_linear.default_config(M, 576, 576)
+        assert 16 <= cfg.BLOCK_M <= 64 and cfg.BLOCK_M >= min(M, 64)
+
+
+def test_benchmark_script_runs():
+    """benchmarks/bench_fused_linear.py --smoke: tiny shapes in the interpreter, every row printed
+    (fused and unfused first checked to agree), the sweep too."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fused_linear.py"), "--smoke", "--sweep",
+                           "--m", "1,17"], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    table = [r for r in rows if r and r[0] in ("qkv", "gate_up", "o_proj", "down") and r[1].isdigit()]
+    assert [(r[0], r[1]) for r in table] == [(op, m) for op in ("qkv", "gate_up", "o_proj", "down") for m in "1 17".split()]
+    assert sum(1 for r in rows if r and r[1].startswith("M=")) == 8
