@@ -69,6 +69,30 @@ def kernel_table(llm: LLM, n: int, prompt_len: int) -> str:
     return "\n".join(out)
 
 
+def prefill_trace(llm: LLM, n: int, prompt_len: int) -> str:
+    """The first step of ``n`` new requests (their prefill, eager) under the profiler, host and
+    GPU: the torch operations by the host's own time, and cProfile's view of the same step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i, p in enumerate(make_prompts(n, prompt_len, llm.config.vocab_size, seed=97)):
+        engine.add_request(f"pre-{i}", p, params)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        prof.enable()
+        engine.step()
+        torch.cuda.synchronize()
+        prof.disable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats("paged_attention|triton", 40)
+    return f"  the prefill step of {n} requests of {prompt_len} tokens:\n{table}\n{s.getvalue()}"
+
+
 def host_profile(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompts = make_prompts(n, prompt_len, llm.config.vocab_size, seed=98)
@@ -111,6 +135,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-host", action="store_true")
+    parser.add_argument("--prefill", action="store_true", help="also trace one prefill step (host and GPU)")
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile_engine.log")
     parser.add_argument("--llm", default="", help="extra LLM keyword arguments, k=v,k=v (ints and bools)")
     opts = parser.parse_args()
@@ -142,6 +167,10 @@ def main() -> int:
         line += "\n" + step_table(llm, first)
         print(line, flush=True)
         lines.append(line)
+        if opts.prefill:
+            t = prefill_trace(llm, n, opts.prompt_len)
+            print(t, flush=True)
+            lines.append(t)
         if not opts.no_kernels:
             t = kernel_table(llm, n, opts.prompt_len)
             print(t, flush=True)
