@@ -136,6 +136,8 @@ def main() -> int:
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--no-host", action="store_true")
     parser.add_argument("--prefill", action="store_true", help="also trace one prefill step (host and GPU)")
+    parser.add_argument("--small-batch", type=int, default=None,
+                        help="the fused layer ops' small_batch (token rows that take the fused projections)")
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile_engine.log")
     parser.add_argument("--llm", default="", help="extra LLM keyword arguments, k=v,k=v (ints and bools)")
     opts = parser.parse_args()
@@ -149,10 +151,13 @@ def main() -> int:
         extra[k] = {"True": True, "False": False}.get(v, int(v) if v.lstrip("-").isdigit() else v)
     config = LlamaConfig(**SMOLLM2_135M)
     model = LlamaForCausalLM(config, random_weights(config), dtype=torch.bfloat16, device="cuda")
+    if opts.small_batch is not None:
+        model.ops.small_batch = opts.small_batch
     llm = LLM(model, max_num_seqs=max(sizes), kv_cache_memory=8 << 30, record_block_owners=False,
               record_gpu_time=True, **extra)
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M shape, random weights, "
-             f"bf16, {opts.prompt_len}+{opts.max_tokens} tokens; LLM extra {extra}"]
+             f"bf16, {opts.prompt_len}+{opts.max_tokens} tokens; LLM extra {extra}; small_batch "
+             f"{getattr(model.ops, 'small_batch', None)}"]
     print(lines[0], flush=True)
     for n in sizes:
         prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n)

@@ -86,3 +86,41 @@ def test_bad_input(device):
         paged_attention_prefill(out, query, kc, vc, tables, lens, starts + 1, 0.25, max_query_len=4)
     with pytest.raises(TypeError, match="dtype"):
         paged_attention_prefill(out, query.half(), kc, vc, tables, lens, starts, 0.25, max_query_len=4)
+
+
+def test_plan_runs_every_layer_and_refuses_other_tensors(device):
+    """A ``PrefillPlan`` made for one layer's tensors runs another layer's (same shapes, other
+    contents) and matches the reference; a tensor with other strides or another shape is refused
+    before the launch, and ``out`` stays as it was."""
+    from paged_attention.kernels.triton import PrefillPlan
+
+    layers = [_problem(Q_LENS, SEQ_LENS, 4, 2, 16, 16, torch.float32, device, seed=s) for s in (1, 2)]
+    scale, max_q = 0.25, max(Q_LENS)
+    out = torch.empty_like(layers[0][0])
+    plan = PrefillPlan(out, *layers[0], scale, max_query_len=max_q, max_seq_len=max(SEQ_LENS), check_ids=False)
+    for p in layers:
+        plan.run(out, *p)
+        torch.testing.assert_close(out, _reference(*p, scale), atol=1e-5, rtol=0)
+    query, key_cache = layers[1][0], layers[1][1]
+    before = out.clone()
+    with pytest.raises(ValueError, match="key_cache"):
+        plan.run(out, query, key_cache.transpose(1, 2).contiguous().transpose(1, 2), *layers[1][2:])
+    with pytest.raises(ValueError, match="query"):
+        plan.run(out, query[:-1], *layers[1][1:])
+    assert torch.equal(out, before)
+
+
+def test_unchecked_calls_share_one_plan(device):
+    """An engine's calls (``check_ids=False`` with a ``max_seq_len``) are checked once per
+    combination of shapes: the layers of a step reuse the first layer's plan."""
+    from paged_attention.kernels.triton import prefill
+
+    prefill._PLANS.clear()
+    for seed in (1, 2, 3):
+        p = _problem(Q_LENS, SEQ_LENS, 4, 2, 16, 16, torch.float32, device, seed=seed)
+        out = _run(p, 0.25, check_ids=False, max_seq_len=max(SEQ_LENS))
+        torch.testing.assert_close(out, _reference(*p, 0.25), atol=1e-5, rtol=0)
+    assert len(prefill._PLANS) == 1
+    p = _problem(Q_LENS[:3], SEQ_LENS[:3], 4, 2, 16, 16, torch.float32, device)
+    _run(p, 0.25, check_ids=False, max_seq_len=max(SEQ_LENS))
+    assert len(prefill._PLANS) == 2

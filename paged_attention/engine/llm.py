@@ -30,6 +30,15 @@ PromptType = Union[str, list[int], dict]
 _GiB = 1 << 30
 
 
+def _large_gpu_step(device: torch.device) -> int:
+    """vLLM's offline default step on a large GPU (an H100 or H200: 70 GiB or more, not an A100):
+    16384 tokens, which prefills a batch of prompts in fewer, fuller steps; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return 16384 if props.total_memory >= 70 * _GiB and "a100" not in props.name.lower() else 0
+
+
 class LLM:
     """A small inference engine: the model, its paged KV cache, the scheduler, and the sampler.
 
@@ -48,7 +57,8 @@ class LLM:
     ``num_cpu_blocks`` is V0's swap pool (default: a quarter of that; none for V1).
     ``kv_cache_memory`` is a bound: a budget that holds no block, or ``num_gpu_blocks`` beyond it,
     is refused, as are pools larger than the memory they would live in. A step runs at most
-    ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens (for V0 at least
+    ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens (default: the larger of
+    ``max_model_len`` and 2048, and vLLM's 16384 on an H100 or H200; for V0 at least
     ``max_model_len``, as vLLM V0 asks without chunked prefill; V1 cuts long prefills into
     chunks). ``block_tables``: which of the project's table classes turns
     the block lists into kernel inputs: ``"auto"`` (v2 on a GPU, v1 on a CPU), ``"v2"``,
@@ -125,7 +135,7 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context "
                              f"({config.max_position_embeddings} positions)")
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(max_model_len, 2048)
+            max_num_batched_tokens = max(max_model_len, 2048, _large_gpu_step(self.model.device))
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be at least max_num_seqs="

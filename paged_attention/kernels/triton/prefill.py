@@ -29,6 +29,8 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile, span
+from paged_attention.kernels.triton.launch import cached_plan, check_planned, tensor_signature
+from paged_attention.triton_launch import Launcher
 from paged_attention.utils import check_int
 
 
@@ -145,6 +147,88 @@ def check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_len
                              f"(request {r} has {q_len})")
 
 
+class PrefillPlan:
+    """A prefill call checked and prepared once, then run many times (``DecodePlan``'s way): every
+    layer of a model's step attends with the same shapes, so the checks and the launch's
+    arguments are worked out at the first layer and the other layers only launch.
+
+    ``run`` takes tensors with exactly the planned shapes, strides, dtypes and device (new
+    contents: another layer's queries and cache); one that differs is refused with a
+    ``ValueError`` before anything is launched. The lengths are not checked again: they must stay
+    within the planned ``max_query_len`` and ``max_seq_len``, as when planned.
+    """
+
+    def __init__(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, scale: float, *, max_query_len: int,
+                 check_ids: bool = True, launch: tuple[int, int, int, int] | None = None,
+                 max_seq_len: int | None = None) -> None:
+        check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                           max_query_len, check_ids, max_seq_len)
+        check_triton_dtype(query)
+        args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
+        self.signature = tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables,
+                                                      seq_lens, query_start_loc)))
+        num_tokens, num_heads, head_size = query.shape
+        num_reqs = query_start_loc.numel() - 1
+        self.empty = num_reqs == 0 or num_tokens == 0
+        if self.empty:
+            return
+        num_kv_heads = key_cache.size(2)
+        queries_per_kv = num_heads // num_kv_heads
+        group = triton.next_power_of_2(queries_per_kv)
+        if launch is None:
+            if query.is_cuda:
+                # 64 rows a tile (16 tokens x a group of up to 4 heads), 64 keys a step
+                launch = (max(1, 64 // group), 64, 4, 2)
+            else:
+                # Interpreter: few, large programs (its cost is per operation, not per element)
+                launch = (min(64, triton.next_power_of_2(max_query_len)), 128, 1, 1)
+        block_m, tile_n, num_warps, num_stages = launch
+        block_m = max(block_m, triton.cdiv(16, group))        # tl.dot needs at least 16 rows
+        self._grid = (num_reqs, triton.cdiv(max_query_len, block_m), num_kv_heads)
+        # The strides are part of the plan (run checks them), so they are fixed arguments.
+        self._prefill = Launcher(
+            _paged_prefill_kernel, _RUN_ARGS_PTRS,
+            qk_scale=float(scale) * LOG2E,
+            q_stride_t=query.stride(0), q_stride_h=query.stride(1), o_stride_t=out.stride(0),
+            o_stride_h=out.stride(1),
+            k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
+            v_stride_blk=value_cache.stride(0), v_stride_tok=value_cache.stride(1),
+            v_stride_head=value_cache.stride(2),
+            bt_stride_s=block_tables.stride(0), bt_stride_b=block_tables.stride(1),
+            sl_stride=seq_lens.stride(0), qsl_stride=query_start_loc.stride(0),
+            QUERIES_PER_KV=queries_per_kv, GROUP=group, BLOCK_M=block_m,
+            HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.size(1),
+            TILE_N=tile_n, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            OFFSETS_64=max(span(key_cache), span(value_cache)) >= 2**31,
+            num_warps=num_warps, num_stages=num_stages)
+
+    def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+        """Prefill attention into ``out``; the tensors must match the plan (``ValueError`` if not)."""
+        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+        check_planned("PrefillPlan", _RUN_ARGS, tensors, self.signature)
+        self._launch(*tensors)
+
+    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc) -> None:
+        if self.empty:
+            return
+        # Pinned: the plan's checks (signatures: dtype and alignment included) make every call
+        # specialise as the first did.
+        self._prefill.pinned(self._grid, out, query, key_cache, value_cache, block_tables, seq_lens,
+                             query_start_loc)
+
+
+_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")
+_RUN_ARGS_PTRS = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr",
+                  "query_start_loc_ptr")
+# Unchecked calls (an engine's, with check_ids=False and a max_seq_len) keep their plans here, by
+# what the checks depend on: the tensors' signatures and the options.
+_PLANS: dict[tuple, PrefillPlan] = {}
+_MAX_PLANS = 64
+
+
 def paged_attention_prefill(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -172,39 +256,16 @@ def paged_attention_prefill(
     call (``check_ids=False``) its one read of the lengths to the host (an engine step then waits
     for nothing).
     """
-    check_prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                       max_query_len, check_ids, max_seq_len)
-    check_triton_dtype(query)
-    args.unit_last_stride(query=query, out=out, key_cache=key_cache, value_cache=value_cache)
-    num_tokens, num_heads, head_size = query.shape
-    num_reqs = query_start_loc.numel() - 1
-    if num_reqs == 0 or num_tokens == 0:
+    if args.flag("check_ids", check_ids) or max_seq_len is None:
+        PrefillPlan(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    max_query_len=max_query_len, check_ids=check_ids, launch=launch,
+                    max_seq_len=max_seq_len)._launch(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                     query_start_loc)
         return
-    num_kv_heads = key_cache.size(2)
-    queries_per_kv = num_heads // num_kv_heads
-    group = triton.next_power_of_2(queries_per_kv)
-    if launch is None:
-        if query.is_cuda:
-            # 64 rows a tile (16 tokens x a group of up to 4 heads), 64 keys a step
-            launch = (max(1, 64 // group), 64, 4, 2)
-        else:
-            # Interpreter: few, large programs (its cost is per operation, not per element)
-            launch = (min(64, triton.next_power_of_2(max_query_len)), 128, 1, 1)
-    block_m, tile_n, num_warps, num_stages = launch
-    block_m = max(block_m, triton.cdiv(16, group))        # tl.dot needs at least 16 rows
-    grid = (num_reqs, triton.cdiv(max_query_len, block_m), num_kv_heads)
-    _paged_prefill_kernel[grid](
-        out_ptr=out, q_ptr=query, k_cache_ptr=key_cache, v_cache_ptr=value_cache,
-        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
-        qk_scale=float(scale) * LOG2E,
-        q_stride_t=query.stride(0), q_stride_h=query.stride(1), o_stride_t=out.stride(0), o_stride_h=out.stride(1),
-        k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
-        v_stride_blk=value_cache.stride(0), v_stride_tok=value_cache.stride(1), v_stride_head=value_cache.stride(2),
-        bt_stride_s=block_tables.stride(0), bt_stride_b=block_tables.stride(1),
-        sl_stride=seq_lens.stride(0), qsl_stride=query_start_loc.stride(0),
-        QUERIES_PER_KV=queries_per_kv, GROUP=group, BLOCK_M=block_m,
-        HEAD_SIZE=head_size, BLOCK_D=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.size(1),
-        TILE_N=tile_n, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        OFFSETS_64=max(span(key_cache), span(value_cache)) >= 2**31,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    plan = cached_plan(
+        _PLANS, _MAX_PLANS,
+        lambda: (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
+                                              query_start_loc))), scale, max_query_len, max_seq_len, launch),
+        lambda: PrefillPlan(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                            max_query_len=max_query_len, check_ids=False, launch=launch, max_seq_len=max_seq_len))
+    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
