@@ -17,7 +17,9 @@ vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred
    batches run eagerly.
 4. **Sample** one token per request on the device, store it as the request's last sampled token
    (the next step's input), and copy the tokens to pinned host memory behind a CUDA event. The
-   caller reads them (``get_output``) when it needs them: to check stops and detokenize.
+   caller reads them (``get_output``) when it needs them: to check stops and detokenize. A
+   greedy decode batch samples inside its graph (the output projection, the argmax and the
+   store are captured with the model): the host launches one replay and one copy a step.
 
 Without CUDA the same code runs on the CPU (no graphs, no events, copies are plain copies).
 """
@@ -135,13 +137,14 @@ class StepInputs:
     num_reqs: int
     num_tokens: int
     idx_mapping: torch.Tensor
+    idx_padded: torch.Tensor         # idx_mapping with a CUDA graph's padding rows (the padding state)
     positions: torch.Tensor
     token_ids: torch.Tensor          # -1 where the request's last sampled token goes
     token_rows: torch.Tensor
     idx_np: np.ndarray
     samples: Optional[np.ndarray]    # which requests sample (None: all); a prefill chunk that stops short does not
     batch: ForwardBatch
-    graph_key: Optional[tuple[int, int]]
+    graph_key: Optional[tuple]
 
 
 class RunnerOutput:
@@ -313,7 +316,8 @@ class ModelRunner:
         batch = ForwardBatch(qsl_dev, seq_lens_dev, block_tables, slot_mapping,
                              max_query_len=int(counts.max()), max_seq_len=max_seq_len,
                              **host_layout)
-        return StepInputs(req_ids, n, num_tokens, idx_dev[:n], pos_dev, ids_dev, rows_dev, idx, samples, batch, graph_key)
+        return StepInputs(req_ids, n, num_tokens, idx_dev[:n], idx_dev, pos_dev, ids_dev, rows_dev, idx, samples, batch,
+                          graph_key)
 
     def input_ids(self, token_ids: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
         """Each token's id: the host's, or (``-1``) its request's last sampled token."""
@@ -335,13 +339,20 @@ class ModelRunner:
         inputs = self.prepare_inputs(so)
         t1 = time.perf_counter()
         n = inputs.num_reqs
-        if inputs.graph_key is not None:
-            hidden = self.graphs.run(inputs.graph_key, lambda: self._forward(inputs))[:n]
+        greedy = bool(self.states.greedy[inputs.idx_np].all())
+        if inputs.graph_key is not None and greedy:
+            # A greedy decode step is one graph from the inputs to the tokens: the model, the
+            # output projection, the argmax and each request's last token kept on the device.
+            sampled = self.graphs.run(inputs.graph_key + ("greedy",), lambda: self._forward_greedy(inputs))[:n]
+            t2 = time.perf_counter()
         else:
-            hidden = self._forward(inputs)
-        logits = self.model.compute_logits(hidden)
-        t2 = time.perf_counter()
-        tokens = self._sample(logits, inputs)
+            if inputs.graph_key is not None:
+                hidden = self.graphs.run(inputs.graph_key, lambda: self._forward(inputs))[:n]
+            else:
+                hidden = self._forward(inputs)
+            t2 = time.perf_counter()
+            sampled = self._sample(hidden, inputs, greedy)
+        tokens = self._to_host(sampled, n)
         t3 = time.perf_counter()
         if events is not None:
             events[1].record()
@@ -354,21 +365,32 @@ class ModelRunner:
         ids = self.input_ids(inputs.token_ids, inputs.token_rows)
         return self.model.hidden_states(ids, inputs.positions, inputs.batch, self.kv_caches, check=False)
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """Sample on the device, keep each token as its request's last (the next step's input),
-        and queue its copy to the host."""
+    def _forward_greedy(self, inputs: StepInputs) -> torch.Tensor:
+        """A decode batch's greedy tokens, every padded row's (what a graph captures): padding
+        rows write their token to the padding state's last token, which only padding reads."""
+        sampled = self.model.greedy_tokens(self._forward(inputs))
+        self.states.last_sampled[inputs.idx_padded] = sampled.to(torch.int32)
+        return sampled
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, greedy: bool) -> torch.Tensor:
+        """Sample on the device, and keep each token as its request's last (the next step's input)."""
         states = self.states
-        if states.greedy[inputs.idx_np].all():
-            sampled = logits.argmax(dim=-1)
+        if greedy:
+            sampled = self.model.greedy_tokens(hidden)
         else:
             # A request that samples nothing this step (a prefill chunk) draws nothing either.
             params = [states.params[r] for r in inputs.idx_np]
             if inputs.samples is not None:
                 params = [p if s else None for p, s in zip(params, inputs.samples.tolist())]
-            sampled = sample_tensor(logits, params, [self._generators.get(r) for r in inputs.req_ids])
+            sampled = sample_tensor(self.model.compute_logits(hidden), params,
+                                    [self._generators.get(r) for r in inputs.req_ids])
         states.last_sampled[inputs.idx_mapping] = sampled.to(torch.int32)
+        return sampled
+
+    def _to_host(self, sampled: torch.Tensor, n: int) -> torch.Tensor:
+        """Queue the copy of a step's tokens to pinned host memory (read after the step's event)."""
         self._turn = (self._turn + 1) % len(self._sampled_host)
-        host = self._sampled_host[self._turn][:inputs.num_reqs]
+        host = self._sampled_host[self._turn][:n]
         host.copy_(sampled, non_blocking=True)
         return host
 

@@ -197,6 +197,12 @@ class LlamaForCausalLM:
         """Float32 logits of final hidden states: the output projection (tied to the embedding in SmolLM2)."""
         return F.linear(hidden, self.lm_head).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The most likely next token of each final hidden state (int64): the argmax of
+        ``compute_logits`` without its float32 copy (the cast is exact, so the order, ties
+        included, is the same)."""
+        return F.linear(hidden, self.lm_head).argmax(dim=-1)
+
     __call__ = forward
 
     # ---- checks ----------------------------------------------------------------------------
