@@ -72,14 +72,25 @@ def test_a_mixed_batch_is_packed_as_the_kernels_need_it(model):
 
 
 class _EagerGraphs:
-    """Stands in for ``DecodeGraphs`` on a CPU: the same buckets and padding, run eagerly."""
+    """Stands in for ``StepGraphs`` on a CPU: the same buckets and padding, run eagerly (steps
+    with prefills padded too when ``mixed``)."""
 
-    def __init__(self, sizes: list[int]) -> None:
-        self.sizes, self.seen = sizes, []
+    def __init__(self, sizes: list[int], mixed: bool = False, max_tokens: int = 0) -> None:
+        self.sizes, self.seen, self.mixed, self.max_tokens = sizes, [], mixed, max_tokens
 
     def key(self, num_reqs: int, max_seq_len: int):
         bs = next((s for s in self.sizes if s >= num_reqs), None)
-        return None if bs is None else (bs, 256)
+        return None if bs is None else (bs, bs, 1, 256)
+
+    def mixed_key(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int):
+        from paged_attention.engine.cuda_graphs import token_bucket
+        from paged_attention.utils import next_power_of_2
+
+        bs = next((s for s in self.sizes if s >= num_reqs), None)
+        if not self.mixed or bs is None:
+            return None
+        tokens = min(token_bucket(num_tokens), self.max_tokens)
+        return bs, tokens, min(next_power_of_2(max_query_len), tokens), max_seq_len
 
     def run(self, key, forward):
         self.seen.append(key)
@@ -111,6 +122,41 @@ def test_padded_decode_batches_change_no_token_and_write_nothing(model, block_ta
     assert {k[0] for k in graphs.seen} == {8}                              # 5 requests in a batch of 8
     decode_slots = [s for s in writes if s.numel() == 8]
     assert decode_slots and all((s[5:] == PAD_SLOT_ID).all() and (s[:5] >= 0).all() for s in decode_slots)
+
+
+@pytest.mark.parametrize("block_tables", ["v1", "v2"])
+def test_padded_steps_with_prefills_change_no_token_and_write_nothing(model, block_tables):
+    """Steps with prefills padded as a CUDA graph runs them (requests with no token, tokens of
+    no request; prompts of different lengths, chunked by a small step, prefix hits): the same
+    tokens as unpadded, and the padding tokens write no slot."""
+    ps = prompts(5, seed=23)
+    ps = [p[:n] for p, n in zip(ps, (9, 23, 5, 17, 30))] + [ps[1][:23] + [7, 8, 9]]   # the last shares a prefix
+    kw = dict(num_gpu_blocks=64, max_num_seqs=8, block_tables=block_tables, max_model_len=128,
+              max_num_batched_tokens=40, block_size=4)
+    want = tokens(LLM(model, **kw).generate(ps, GREEDY, use_tqdm=False))
+    padded = LLM(model, **kw)
+    padded.engine.runner.graphs = graphs = _EagerGraphs([1, 2, 4, 8], mixed=True, max_tokens=40)
+    writes = []
+    write = model.ops.rope_and_cache
+
+    def spy(qkv, rope, kv_cache, slot_mapping):
+        writes.append(slot_mapping.clone())
+        return write(qkv, rope, kv_cache, slot_mapping)
+    model.ops.rope_and_cache = spy
+    try:
+        assert tokens(padded.generate(ps, GREEDY, use_tqdm=False)) == want
+    finally:
+        del model.ops.rope_and_cache
+    mixed = [k for k in graphs.seen if k[2] > 1]
+    assert mixed and any(k[1] > 1 and k[0] > 1 for k in mixed)
+    # Each step wrote every layer with its slot mapping: its real tokens' slots, then padding.
+    per_step = writes[::model.config.num_hidden_layers]
+    assert len(per_step) == len(padded.engine.step_stats)
+    padded_steps = 0
+    for s, slots in zip(padded.engine.step_stats, per_step):
+        assert (slots[:s.num_tokens] >= 0).all() and (slots[s.num_tokens:] == PAD_SLOT_ID).all()
+        padded_steps += not s.decode_only and slots.numel() > s.num_tokens
+    assert padded_steps
 
 
 def test_unseeded_and_seeded_sampling_through_the_runner(model):

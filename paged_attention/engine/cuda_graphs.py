@@ -1,27 +1,41 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: every decode step, and steps with prefills of a recurring shape.
 
-A decode step of a 135M-parameter model launches some 300 small kernels; run eagerly, the step
-costs what Python and the driver take to launch them, several times what the GPU takes to run
-them. A CUDA graph records those launches once and replays them with one call. vLLM and nano-vllm
-capture decode steps for a set of batch sizes (1, 2, 4, 8, then every 16); so does this class,
-lazily: a graph is captured the first time a step needs it (warmed up first, eagerly, on that
-step's own inputs: the caches get the same keys and values the replay writes).
+A step of a 135M-parameter model launches some 300 small kernels; run eagerly, the step costs
+what Python and the driver take to launch them (about 9 ms on an H100's host), several times
+what the GPU takes to run them. A CUDA graph records those launches once and replays them with
+one call. vLLM and nano-vllm capture decode steps for a set of batch sizes (1, 2, 4, 8, then
+every 16); so does this class, lazily: a graph is captured the first time a step needs it
+(warmed up first, eagerly, on that step's own inputs: the caches get the same keys and values
+the replay writes).
 
 A graph replays the same kernels on the same addresses: the model runner keeps every input in a
-buffer that never moves (``engine/model_runner.py``), and a batch of ``n`` requests runs the
-graph of the smallest size ``bs >= n``, rows ``n .. bs-1`` being padding (a padding request
-state, sequence length 1, slot ``PAD_SLOT_ID``: they read one key and write nothing). The graph
-ends at the final hidden states; the output projection and the sampler run after it, on the real
-rows only. The decode kernel sizes its split of long contexts by the batch's ``max_seq_len``, a
-Python int fixed at capture, so graphs are keyed by the batch size and by ``max_seq_len`` rounded
-up to a power of two (at least 256): a short context does not pay for a split sized for the
-longest one.
+buffer that never moves (``engine/model_runner.py``), and a step runs the graph of its shape
+padded up:
+
+* a **decode** step of ``n`` requests runs the graph of the smallest size ``bs >= n``, rows
+  ``n .. bs-1`` being padding (a padding request state, sequence length 1, slot
+  ``PAD_SLOT_ID``: they read one key and write nothing);
+* a step **with prefills** (``mixed_key``) pads its requests the same way, its tokens to a
+  bucket (a power of two up to 1024, then a multiple of 1024, at most the step's budget) and its
+  longest query to a power
+  of two, which the prefill kernel's grid is sized by: the padding requests bring no token and
+  the padding tokens belong to none. vLLM captures such steps in pieces around the attention
+  (its compiler splits the graph there); the paged prefill kernel here reads its batch's layout
+  from the device, so the whole step is one graph. At most ``max_mixed`` such graphs are kept;
+  a step of yet another shape runs eagerly.
+
+The decode kernel sizes its split of long contexts by the batch's ``max_seq_len``, a Python int
+fixed at capture, so keys carry it too, rounded up to a power of two (at least 256) by the
+runner: a short context does not pay for a split sized for the longest one. A graph ends at the
+final hidden states, or, for a greedy batch, at the sampled tokens (the runner's choice).
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
+
+from paged_attention.utils import next_power_of_2
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -30,26 +44,51 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class DecodeGraphs:
-    """CUDA graphs of the model's decode step, keyed by ``(batch size, max_seq_len bucket)``."""
+def token_bucket(num_tokens: int) -> int:
+    """The padded token count of a step with prefills: a power of two up to 1024, then the next
+    multiple of 1024 (at most 1023 padding tokens, a few percent of a large step's work)."""
+    return next_power_of_2(num_tokens) if num_tokens <= 1024 else -(-num_tokens // 1024) * 1024
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+
+class StepGraphs:
+    """CUDA graphs of the model's steps, keyed by ``(requests, tokens, longest query,
+    max_seq_len bucket)`` padded, plus what the runner adds (its greedy variant)."""
+
+    def __init__(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int, device: torch.device,
+                 max_mixed: int = 32) -> None:
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
-        self.max_model_len = max_model_len
+        self.max_num_tokens, self.max_model_len = max_num_tokens, max_model_len
         self.device = device
+        self.max_mixed = max_mixed
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._mixed_shapes: set[tuple] = set()
         self._bucket_of = {}     # batch size -> its bucket (a lookup: this runs every step)
         for b in range(1, max_num_seqs + 1):
             self._bucket_of[b] = next(s for s in self.batch_sizes if s >= b)
 
-    def key(self, num_reqs: int, max_seq_len: int) -> Optional[tuple[int, int]]:
+    def key(self, num_reqs: int, max_seq_len: int) -> Optional[tuple[int, int, int, int]]:
         """The graph a decode batch of ``num_reqs`` runs (``max_seq_len`` already rounded up by
         the runner), or None when it is larger than any captured size."""
         bs = self._bucket_of.get(num_reqs)
-        return None if bs is None else (bs, max_seq_len)
+        return None if bs is None else (bs, bs, 1, max_seq_len)
 
-    def run(self, key: tuple[int, int], forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def mixed_key(self, num_reqs: int, num_tokens: int, max_query_len: int,
+                  max_seq_len: int) -> Optional[tuple[int, int, int, int]]:
+        """The graph a step with prefills runs (its tokens padded at most to the step's budget),
+        or None (run it eagerly) when ``max_mixed`` other shapes have graphs already."""
+        bs = self._bucket_of.get(num_reqs)
+        if bs is None:
+            return None
+        tokens = min(token_bucket(num_tokens), self.max_num_tokens)
+        shape = (bs, tokens, min(next_power_of_2(max_query_len), tokens), max_seq_len)
+        if shape not in self._mixed_shapes:
+            if len(self._mixed_shapes) >= self.max_mixed:
+                return None
+            self._mixed_shapes.add(shape)
+        return shape
+
+    def run(self, key: tuple, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Replay the graph ``key`` (capturing ``forward`` first if it has none) and return its
         output, a tensor the graph writes at every replay."""
         entry = self.graphs.get(key)

@@ -12,9 +12,11 @@ vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred
    compute the slots, and each ``-1`` is replaced by the request's last sampled token, which
    never left the device: the host need not have seen it, so the next step can be prepared
    while this one runs (async scheduling, ``engine/llm_engine.py``).
-3. **Execute.** A decode batch replays a CUDA graph captured for the next bucket of batch sizes
-   (``engine/cuda_graphs.py``), padded with rows that read one key and write nothing; other
-   batches run eagerly.
+3. **Execute.** A step replays a CUDA graph captured for its shape padded up
+   (``engine/cuda_graphs.py``): a decode batch padded with rows that read one key and write
+   nothing, a batch with prefills with requests that bring no token and tokens that belong to
+   none. A shape with no graph (too large, or past the cap on graphs of prefill shapes) runs
+   eagerly.
 4. **Sample** one token per request on the device, store it as the request's last sampled token
    (the next step's input), and copy the tokens to pinned host memory behind a CUDA event. The
    caller reads them (``get_output``) when it needs them: to check stops and detokenize. A
@@ -194,8 +196,11 @@ class ModelRunner:
         self.graphs = None
         # The reference decode reads lengths back to the host, which a capture does not allow.
         if cuda_graphs and cuda and model.attention_impl != "reference":
-            from paged_attention.engine.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(max_num_reqs, max_model_len, self.device)
+            from paged_attention.engine.cuda_graphs import StepGraphs
+            # Steps with prefills too, where the attention reads its layout on the device (the
+            # paged prefill kernel); a split into decodes and prefills is made on the host.
+            self.graphs = StepGraphs(max_num_reqs, max_num_batched_tokens, max_model_len, self.device,
+                                     max_mixed=0 if model.attn.needs_split else 32)
         # The sampled tokens' host copies, two in turn: a step's tokens are read after the next
         # step is launched (async scheduling), which writes the other one.
         self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
@@ -280,9 +285,15 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max())
         if self.device.type == "cuda":
             max_seq_len = min(max(256, next_power_of_2(max_seq_len)), self.max_model_len)
-        graph_key = self.graphs.key(n, max_seq_len) if decode_only and self.graphs is not None else None
-        b = t = graph_key[0] if graph_key is not None else None
-        if b is None:
+        max_query_len = 1 if decode_only else int(counts.max())
+        graph_key = None
+        if self.graphs is not None:
+            graph_key = (self.graphs.key(n, max_seq_len) if decode_only else
+                         self.graphs.mixed_key(n, num_tokens, max_query_len, max_seq_len))
+        if graph_key is not None:
+            # (requests, tokens, query bound) padded to the graph's; its bounds size the kernels.
+            b, t, max_query_len = graph_key[:3]
+        else:
             b, t = n, num_tokens
 
         # One pinned buffer, one copy. Padding: rows of the padding state, one key, no slot.
@@ -293,7 +304,10 @@ class ModelRunner:
         if decode_only:
             buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
         else:
-            buf[o[1]:o[2]] = qsl
+            # A padded batch with prefills: the padding requests bring no token, and the padding
+            # tokens (past the last request's) belong to none.
+            buf[o[1]:o[1] + n + 1] = qsl
+            buf[o[1] + n + 1:o[2]] = num_tokens
         buf[o[2]:o[2] + n] = seq_lens
         buf[o[2] + n:o[3]] = 1
         buf[o[3]:o[3] + num_tokens] = positions
@@ -312,10 +326,12 @@ class ModelRunner:
         if no_kv_write:
             at = [int(buf[o[1] + i]) for i, r in enumerate(req_ids) if r in no_kv_write]
             slot_mapping[torch.tensor(at, device=self.device)] = PAD_SLOT_ID
-        host_layout = {} if decode_only else dict(query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+        host_layout = {}
+        if not decode_only:
+            host_layout = dict(query_start_loc_cpu=buf[o[1]:o[2]].tolist(), seq_lens_cpu=buf[o[2]:o[3]].tolist(),
+                               padded=(b, t) != (n, num_tokens))
         batch = ForwardBatch(qsl_dev, seq_lens_dev, block_tables, slot_mapping,
-                             max_query_len=int(counts.max()), max_seq_len=max_seq_len,
-                             **host_layout)
+                             max_query_len=max_query_len, max_seq_len=max_seq_len, **host_layout)
         return StepInputs(req_ids, n, num_tokens, idx_dev[:n], idx_dev, pos_dev, ids_dev, rows_dev, idx, samples, batch,
                           graph_key)
 
@@ -341,8 +357,8 @@ class ModelRunner:
         n = inputs.num_reqs
         greedy = bool(self.states.greedy[inputs.idx_np].all())
         if inputs.graph_key is not None and greedy:
-            # A greedy decode step is one graph from the inputs to the tokens: the model, the
-            # output projection, the argmax and each request's last token kept on the device.
+            # A greedy step is one graph from the inputs to the tokens: the model, the output
+            # projection, the argmax and each request's last token kept on the device.
             sampled = self.graphs.run(inputs.graph_key + ("greedy",), lambda: self._forward_greedy(inputs))[:n]
             t2 = time.perf_counter()
         else:
@@ -366,8 +382,8 @@ class ModelRunner:
         return self.model.hidden_states(ids, inputs.positions, inputs.batch, self.kv_caches, check=False)
 
     def _forward_greedy(self, inputs: StepInputs) -> torch.Tensor:
-        """A decode batch's greedy tokens, every padded row's (what a graph captures): padding
-        rows write their token to the padding state's last token, which only padding reads."""
+        """A batch's greedy tokens, every padded row's (what a graph captures): padding rows
+        write their token to the padding state's last token, which only padding reads."""
         sampled = self.model.greedy_tokens(self._forward(inputs))
         self.states.last_sampled[inputs.idx_padded] = sampled.to(torch.int32)
         return sampled

@@ -112,13 +112,23 @@ class BatchSplit:
 def read_layout(batch: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
     """``(query_start_loc, seq_lens, new tokens per request)`` read to the host, and checked: every
     request brings ``1 <= new tokens <= seq_len`` (at most ``max_query_len``), the last ends at
-    the batch's end. One read per step with prefills (such steps are not captured in CUDA graphs)."""
+    the batch's end (for a ``padded`` batch: the real requests, those before the trailing ones
+    with no token). One read per step with prefills, none where the batch carries host copies."""
     starts = list(batch.query_start_loc_cpu) if batch.query_start_loc_cpu is not None else \
         batch.query_start_loc.tolist()
     lens = list(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else batch.seq_lens.tolist()
     if len(starts) != len(lens) + 1:
         raise ValueError(f"query_start_loc has {len(starts)} entries for {len(lens)} requests (num_reqs + 1 expected)")
-    if starts[0] != 0 or starts[-1] != batch.num_tokens:
+    if batch.padded:
+        # A CUDA graph's padding: requests with no token at the end, tokens past the last one's.
+        # The real requests are checked as any batch's.
+        while len(lens) > 1 and starts[-1] == starts[-2]:
+            starts.pop()
+            lens.pop()
+        if starts[0] != 0 or starts[-1] > batch.num_tokens:
+            raise ValueError(f"query_start_loc must run from 0 to at most the batch's {batch.num_tokens} tokens, "
+                             f"got {starts[0]} .. {starts[-1]}")
+    elif starts[0] != 0 or starts[-1] != batch.num_tokens:
         raise ValueError(f"query_start_loc must run from 0 to the batch's {batch.num_tokens} tokens, "
                          f"got {starts[0]} .. {starts[-1]}")
     n_new = [starts[i + 1] - starts[i] for i in range(len(lens))]

@@ -31,6 +31,9 @@ class ForwardBatch:
     # does): a batch with prefills then reads its layout from them instead of from the device.
     query_start_loc_cpu: Optional[Sequence[int]] = None
     seq_lens_cpu: Optional[Sequence[int]] = None
+    # A batch padded to a CUDA graph's shape: requests after the real ones bring no token, and
+    # tokens after the last request's belong to none (their slots are PAD_SLOT_ID).
+    padded: bool = False
 
     @property
     def num_reqs(self) -> int:
