@@ -526,6 +526,13 @@ def test_cuda_graph_decode_equals_eager(kw):
     assert tokens(llm.generate(ps, params, use_tqdm=False)) == eager == want
     assert any(s.cuda_graph for s in llm.engine.step_stats)
     assert {key[0] for key in llm.engine.runner.graphs.graphs} >= {8}          # 7 requests padded to 8
+    # Steps with prefills ran from graphs too (padded), greedy ones sampling inside the graph.
+    assert any(s.cuda_graph and not s.decode_only for s in llm.engine.step_stats)
+    assert any(key[2] > 1 and key[-1] == "greedy" for key in llm.engine.runner.graphs.graphs)
+    # Sampling outside the graph (seeded draws): the graphs' logits are the eager ones.
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5)
+    assert tokens(llm.generate(ps, sampled, use_tqdm=False)) == \
+        tokens(engine(m, cuda_graphs=False, **kw).generate(ps, sampled, use_tqdm=False))
     tight = engine(m, cuda_graphs=True, num_gpu_blocks=20, block_size=8, **kw)
     assert tokens(tight.generate(ps, params, use_tqdm=False)) == want
     assert tight.engine.runner.num_preemptions > 0
