@@ -354,7 +354,7 @@ def test_benchmark_script_runs():
     """benchmarks/bench_fused_linear.py --smoke: tiny shapes in the interpreter, every row printed
     (fused and unfused first checked to agree), the sweep too."""
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fused_linear.py"), "--smoke", "--sweep",
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fused_linear.py"), "--smoke", "--sweep", "--table",
                            "--m", "1,17"], capture_output=True, text=True, timeout=300, cwd=root,
                           env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
                                "PYTHONPATH": str(root)})

@@ -14,12 +14,26 @@ work between two projections becomes one kernel:
 * ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM (for o_proj and
   down_proj, where it beats cuBLAS, if it does: ``benchmarks/bench_fused_linear.py`` measures).
 
+What makes it fast at a few rows is reading everything once, in one go, on many programs:
+
+* one pass over K. A program loads its weight tile first (the longest wait), then its rows of
+  the stream, computes the norm from those registers and multiplies: with ``BLOCK_K >= K`` (576
+  here) nothing is read twice and no loop waits on the one before. A larger K goes on in chunks,
+  and then the stream is read again (sum of squares first, then the product);
+* no padding to tensor-core tiles. ``tl.dot`` multiplies 16 rows at least: for one token that is
+  15 rows of zeros, and a detour through shared memory. Below 16 rows the product runs on the CUDA
+  cores instead (``_mma``): a broadcast multiply and a sum over K, in the registers the loads
+  filled;
+* narrow column tiles (4 to 16 columns at one row), so that a hundred programs or more share the
+  weights' read across the GPU's SMs.
+
 The arithmetic is that of the unfused path (``layer_ops.add_rms_norm`` then ``F.linear`` then
 ``layer_ops.silu_and_mul``), rounding for rounding: the sum rounded to the model's dtype, the norm
 in float32, the normalised value rounded before the weight multiply and the product rounded, a
-float32 accumulation, the GEMM's outputs rounded to the dtype before SwiGLU, silu rounded before
-the product. Only the order of the float32 sums differs, so results agree to a float32 rounding
-before the last cast.
+float32 accumulation (on the tensor cores or the CUDA cores alike: each product exact in float32
+for 16-bit inputs, one IEEE rounding for float32 ones), the GEMM's outputs rounded to the dtype
+before SwiGLU, silu rounded before the product. Only the order of the float32 sums differs, so
+results agree to a float32 rounding before the last cast.
 
 The residual stream. ``add_rms_norm`` stores ``x + residual`` back into ``residual``. Here many
 programs (one per tile of output columns) read the same rows of ``residual``, and no program can
@@ -95,7 +109,7 @@ def _mma(a, w, acc, BLOCK_M: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32), axis=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])     # one compiled kernel for every token count
 def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
                          M, N, K, eps,
                          stride_xm, stride_xk, stride_rm, stride_rk, stride_nw, stride_wn, stride_wk,
