@@ -22,9 +22,10 @@ run in the same process on the same GPU, one after the other, first checked to a
 configurations per projection and M (``candidates``: the CUDA-core product up to 16 rows, tl.dot
 from 8 rows on; a few minutes on an H100, compilation included), each as 30 calls in a CUDA graph
 with the unfused side timed the same way, and prints per (projection, M) the unfused time, the
-default configuration's, the best one's and that configuration (ready to paste into
-``fused_linear.default_config``), then a suggested ``small_batch`` for ``FusedLayerOps``: the
-largest M up to which the fused QKV and gate-up projections both beat the unfused ones.
+default configuration's, the best one's and that configuration; then the best ones as a
+``fused_linear.TUNED`` table, ready to paste, and a suggested ``small_batch`` for
+``FusedLayerOps``: the largest M up to which the fused QKV and gate-up projections both beat the
+unfused ones.
 """
 from __future__ import annotations
 
@@ -199,6 +200,7 @@ def run_sweep(Ms, dtype, device, smoke: bool) -> None:
     start = time.perf_counter()
     print("\nsweep (graph us per call; unfused = add_rms_norm + F.linear [+ silu_and_mul] or F.linear)")
     wins: dict[str, dict[int, tuple[bool, bool]]] = {}
+    tuned: dict[tuple[int, int, bool], dict[int, object]] = {}
     for name, N, K in shapes(smoke):
         silu = name == "gate_up"
         for M in Ms:
@@ -221,12 +223,21 @@ def run_sweep(Ms, dtype, device, smoke: bool) -> None:
                         torch.cuda.synchronize()
             best = min(times, key=times.get)
             wins.setdefault(name, {})[M] = (t_default < t_unfused, times[best] < t_unfused)
+            tuned.setdefault((N, K, silu), {})[M] = best
             note = f"  ({failed} failed, e.g. {last_error})" if failed else ""
             print(f"{name:8} M={M:<4} unfused {t_unfused:7.2f}  default {t_default:7.2f}  best {times[best]:7.2f}  "
                   f"x{t_unfused / times[best]:4.2f}  {best!r}{note}", flush=True)
         print(f"  ({time.perf_counter() - start:.0f} s so far)", flush=True)
-    for which, label in ((1, "the best configurations (once pasted into default_config)"),
-                         (0, "default_config as it is")):
+    from paged_attention import runtime
+    print(f"\n# The best tiles measured on {runtime.device_name()}: to paste into "
+          f"paged_attention/kernels/triton/fused_linear.py\nTUNED = {{")
+    for shape, by_m in tuned.items():
+        print(f"    {shape!r}: {{")
+        for M, cfg in by_m.items():
+            print(f"        {M}: {cfg!r},")
+        print("    },")
+    print("}\n")
+    for which, label in ((1, "the best configurations (once pasted as TUNED)"), (0, "default_config as it is")):
         print(f"suggested small_batch: {suggest_small_batch(Ms, wins, which)}  (fused QKV and gate-up both "
               f"faster than unfused at every M up to it, with {label})")
 

@@ -328,7 +328,7 @@ def test_model_fused_equals_unfused(dtype):
 def test_fused_linear_on_smollm2_shapes_in_bf16():
     """On the GPU: SmolLM2-135M's two fused projections (QKV 960 x 576, gate-up 2 x 1536 x 576) in
     bf16, at the batch sizes of decode, against the float64 reference."""
-    for M in (1, 8, 64):
+    for M in (1, 2, 3, 8, 16, 64):
         for N, silu in ((960, False), (1536, True)):
             x, residual, norm_weight, weight = _inputs(M, N, 576, torch.bfloat16, silu, seed=M)
             out, stream = norm_linear(x, norm_weight, weight, EPS, residual,
@@ -348,6 +348,17 @@ def test_default_config_covers_small_batches():
                 assert -(-N // cfg.BLOCK_N) >= 100
             else:
                 assert cfg.BLOCK_M >= 16 and cfg.BLOCK_N >= 16
+
+
+def test_tuned_configs_come_first(monkeypatch):
+    """A measured entry serves the token counts up to its own; above the largest, the rule."""
+    shape = (960, 576, False)
+    one, eight = FusedLinearConfig(1, 2, 1024, 4, 1), FusedLinearConfig(16, 16, 128, 4, 3)
+    monkeypatch.setitem(fused_linear.TUNED, shape, {1: one, 8: eight})
+    assert fused_linear.default_config(1, *shape) == one
+    assert fused_linear.default_config(2, *shape) == eight == fused_linear.default_config(8, *shape)
+    assert fused_linear.default_config(9, *shape) == fused_linear.default_config(9, 960, 576, True)   # the rule
+    assert fused_linear.default_config(1, 960, 576, True) != one                       # another shape
 
 
 def test_benchmark_script_runs():

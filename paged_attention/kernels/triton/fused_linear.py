@@ -207,11 +207,18 @@ class FusedLinearConfig(NamedTuple):
 
 
 CUDA_CORE_ROWS = 4
-"""Up to this many rows, ``default_config`` takes the CUDA-core product (``_mma``); above, tl.dot."""
+"""Up to this many rows, ``default_config``'s rule takes the CUDA-core product (``_mma``)."""
+
+TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {}
+"""Measured best tiles, ``{(N, K, silu_and_mul): {M: config}}``, for the shapes a model runs:
+``benchmarks/bench_fused_linear.py --sweep`` prints this table for SmolLM2-135M's projections on
+the GPU it runs on. ``default_config`` takes the entry of the smallest measured M at or above
+the token count; shapes and token counts not in it get the rule."""
 
 
 def default_config(M: int, N: int, K: int, silu_and_mul: bool = False) -> FusedLinearConfig:
-    """Tiles for ``M`` rows (the token count), ``N`` output columns, ``K`` inputs.
+    """Tiles for ``M`` rows (the token count), ``N`` output columns, ``K`` inputs: ``TUNED``'s if
+    it has the shape, else by rule.
 
     A decode step of a few requests is latency-bound: the kernel should read everything in one
     go and spread the weights' read over the whole GPU. So, up to ``CUDA_CORE_ROWS`` rows: one row
@@ -219,8 +226,12 @@ def default_config(M: int, N: int, K: int, silu_and_mul: bool = False) -> FusedL
     and column tiles narrow enough to make about a hundred programs or more (an H100 has 132
     SMs), fewer columns still if the product tile (rows x columns x K) would pass 16K elements
     (then 8 warps hold it, else 4). Above: tl.dot on 16-row tiles, K in pipelined chunks of 64.
-    A starting point: ``benchmarks/bench_fused_linear.py --sweep`` measures others on the GPU.
     """
+    tuned = TUNED.get((N, K, bool(silu_and_mul)))
+    if tuned:
+        measured = [m for m in tuned if m >= M]
+        if measured:
+            return tuned[min(measured)]
     if M <= CUDA_CORE_ROWS:
         block_m = next_power_of_2(M)
         block_k = min(2048, max(16, next_power_of_2(K)))
@@ -341,4 +352,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     return _launch(x, weight, None, None, 0.0, act, config, M, N, K)[0]
 
 
-__all__ = ["FusedLinearConfig", "default_config", "norm_linear", "linear"]
+__all__ = ["FusedLinearConfig", "TUNED", "default_config", "norm_linear", "linear"]
