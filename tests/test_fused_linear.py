@@ -373,4 +373,12 @@ def test_benchmark_script_runs():
     rows = [line.split() for line in done.stdout.splitlines()]
     table = [r for r in rows if r and r[0] in ("qkv", "gate_up", "o_proj", "down") and r[1].isdigit()]
     assert [(r[0], r[1]) for r in table] == [(op, m) for op in ("qkv", "gate_up", "o_proj", "down") for m in "1 17".split()]
-    assert sum(1 for r in rows if r and r[1].startswith("M=")) == 8
+    assert sum(1 for r in rows if len(r) > 1 and r[1].startswith("M=")) == 8
+    # The best tiles as a TUNED table that runs as Python, and the small_batch suggestion.
+    out = done.stdout
+    snippet = out[out.index("TUNED = {"):out.index("\n}\n") + 2]
+    scope = {"FusedLinearConfig": FusedLinearConfig}
+    exec(snippet, scope)
+    assert len(scope["TUNED"]) == 4 and all(sorted(by_m) == [1, 17] for by_m in scope["TUNED"].values())
+    assert all(isinstance(c, FusedLinearConfig) for by_m in scope["TUNED"].values() for c in by_m.values())
+    assert out.count("suggested small_batch:") == 2
