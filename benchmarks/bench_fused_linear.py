@@ -1,8 +1,9 @@
 """The fused norm-and-projection kernels against the unfused ops, on SmolLM2-135M's projections.
 
-Usage (on a GPU):  python3 benchmarks/bench_fused_linear.py [--dtype bf16] [--m 1,2,4] [--sweep]
-                   python3 benchmarks/bench_fused_linear.py --smoke    (any machine: tiny shapes,
-                   Triton's interpreter; only a check that the script runs)
+Usage (on a GPU):  python3 benchmarks/bench_fused_linear.py [--dtype bf16] [--m 1,2,4]      (the table)
+                   python3 benchmarks/bench_fused_linear.py --sweep [--m 1,2,4,8,16,32,64] [--table]
+                   python3 benchmarks/bench_fused_linear.py --smoke [--sweep --table]  (any machine:
+                   tiny shapes, Triton's interpreter; only a check that the script runs)
 
 For each token count M (1 to 256) and each of a layer's four projections (hidden 576,
 intermediate 1536, QKV 960 wide), the fused side and the unfused side:
@@ -17,13 +18,18 @@ replayed, per call: launch costs gone, the weights warm in L2, as in a decode st
 a graph. ``ratio`` = unfused graph / fused graph (above 1: the fused side is faster). Both sides
 run in the same process on the same GPU, one after the other, first checked to agree.
 
-``--sweep`` also times every tile configuration of a small grid per shape and M (graph timing)
-and prints the best, for choosing ``fused_linear.default_config``.
+``--sweep`` (instead of the table, or after it with ``--table``) times a small grid of tile
+configurations per projection and M (``candidates``: the CUDA-core product up to 16 rows, tl.dot
+from 8 rows on; a few minutes on an H100, compilation included), each as 30 calls in a CUDA graph
+with the unfused side timed the same way, and prints per (projection, M) the unfused time, the
+default configuration's, the best one's and that configuration; then the best ones as a
+``fused_linear.TUNED`` table, ready to paste, and a suggested ``small_batch`` for
+``FusedLayerOps``: the largest M up to which the fused QKV and gate-up projections both beat the
+unfused ones.
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 
@@ -107,46 +113,147 @@ def timers(smoke: bool):
 
 
 def run_table(Ms, dtype, device, smoke: bool) -> None:
+    """One row per projection and M: both timings of both sides (fused with ``default_config``)."""
+    from paged_attention.kernels.triton import fused_linear as fl
     bench, graph = timers(smoke)
     print(f"{'op':8} {'M':>4} | {'fused bench':>11} {'unfused bench':>13} | {'fused graph':>11} "
-          f"{'unfused graph':>13} {'ratio':>6} | rel err")
+          f"{'unfused graph':>13} {'ratio':>6} | rel err | default config (BLOCK_M, N, K, warps, stages)")
     for name, N, K in shapes(smoke):
         for M in Ms:
             fused, unfused, check = make_pair(name, M, N, K, dtype, device)
             err = agree(check, dtype)
             fb, ub = bench(fused), bench(unfused)
             fg, ug = graph(fused), graph(unfused)
-            print(f"{name:8} {M:>4} | {fb:>11.2f} {ub:>13.2f} | {fg:>11.2f} {ug:>13.2f} {ug / fg:>6.2f} | {err:.1e}",
-                  flush=True)
+            cfg = tuple(fl.default_config(M, N, K, name == "gate_up"))
+            print(f"{name:8} {M:>4} | {fb:>11.2f} {ub:>13.2f} | {fg:>11.2f} {ug:>13.2f} {ug / fg:>6.2f} | {err:.1e} | "
+                  f"{cfg}", flush=True)
 
 
-SWEEP = dict(BLOCK_N=(16, 32, 64), BLOCK_K=(32, 64, 128), num_warps=(2, 4), num_stages=(2, 4))
+def quick_graph_us(fn, k: int = GRAPH_REPEATS, reps: int = 20) -> float:
+    """``timing.hot_us`` in a few milliseconds instead of a few hundred: ``k`` calls captured in
+    one CUDA graph, replayed ``reps`` times after an L2 flush each, the median per call. For the
+    sweep, which times hundreds of configurations; both sides of each comparison use it."""
+    import torch
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(k):
+            fn()
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    for _ in range(3):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        cache.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return 1000.0 * times[len(times) // 2] / k
+
+
+def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
+    """The configurations the sweep tries for one projection at M rows (the default is timed too).
+
+    * up to 16 rows, the CUDA-core product: one row tile of next_pow2(M) rows (at most 8: M = 16
+      runs as two tiles), K in one chunk (K up to 2048), or in chunks of 512 (K > 1024, where one
+      chunk would be a quarter masked), 1 to 32 columns a program while the product tile stays
+      within 2K to 32K elements (4 warps up to 8K, then 8) and the programs number 24 to 512;
+    * from 8 rows on, tl.dot: 16-row tiles (and M's own, up to 64), 16 to 64 columns, K in
+      pipelined chunks of 64 to 256.
+    Configurations that spill registers when compiled for an H100 (tl.dot with K in one chunk of
+    512 or more; 256 with SwiGLU's two weight tiles) are left out: every one of these compiles
+    for sm_90 without a spill (checked with Triton 3.9's compiler, no GPU needed).
+    """
+    from paged_attention.kernels.triton import fused_linear as fl
+    from paged_attention.utils import next_power_of_2
+    C = fl.FusedLinearConfig
+    if smoke:
+        return [C(min(8, next_power_of_2(M)), 8, 16, 4, 1), C(16, 16, 32, 4, 2)]
+    out = []
+    if M <= 16:
+        bm = min(8, next_power_of_2(M))
+        chunks = [(min(2048, next_power_of_2(K)), 1)] + ([(512, 2)] if K > 1024 else [])
+        for bk, stages in chunks:
+            for bn in (1, 2, 4, 8, 16, 32):
+                tile = bm * bn * bk
+                if 2048 <= tile <= 32768 and 24 <= -(-N // bn) <= 512:
+                    out.append(C(bm, bn, bk, 4 if tile <= 8192 else 8, stages))
+    if M >= 8:
+        dots = [(16, 16, 64), (16, 32, 64), (16, 64, 64), (16, 16, 128), (16, 32, 128)]
+        dots += [] if silu else [(16, 16, 256)]             # with two weight tiles it spills
+        own = min(64, next_power_of_2(M))
+        if own > 16:
+            dots += [(own, 32, 64), (own, 64, 64)]
+        out += [C(bm, bn, bk, 4, 2 if bk >= 256 else 3) for bm, bn, bk in dots]
+    return out
 
 
 def run_sweep(Ms, dtype, device, smoke: bool) -> None:
-    """The best tile configuration per projection and M, by graph time (``default_config``'s for comparison)."""
+    """Per projection and M: the unfused time, the default configuration's, and the best of
+    ``candidates`` (graph us per call); then the suggested ``small_batch``."""
+    import torch
+
     from paged_attention.kernels.triton import fused_linear as fl
-    _, graph = timers(smoke)
-    grid = list(itertools.product(*SWEEP.values()))
-    if smoke:
-        grid = grid[:2]
-    print(f"\nsweep over {len(grid)} configurations of {', '.join(SWEEP)} (graph us per call)")
+    graph = timers(smoke)[1] if smoke else quick_graph_us
+    start = time.perf_counter()
+    print("\nsweep (graph us per call; unfused = add_rms_norm + F.linear [+ silu_and_mul] or F.linear)")
+    wins: dict[str, dict[int, tuple[bool, bool]]] = {}
+    tuned: dict[tuple[int, int, bool], dict[int, object]] = {}
     for name, N, K in shapes(smoke):
+        silu = name == "gate_up"
         for M in Ms:
-            default = fl.default_config(M, N, K, name == "gate_up")
-            times, failed = {}, 0
-            for bn, bk, warps, stages in grid:
-                cfg = fl.FusedLinearConfig(default.BLOCK_M, bn, bk, warps, stages)
-                fused, _, _ = make_pair(name, M, N, K, dtype, device, cfg)
+            default = fl.default_config(M, N, K, silu)
+            fused, unfused, check = make_pair(name, M, N, K, dtype, device, default)
+            agree(check, dtype)
+            t_unfused, t_default = graph(unfused), graph(fused)
+            times, failed, last_error = {default: t_default}, 0, ""
+            for cfg in candidates(M, N, K, silu, smoke):
+                if cfg in times:
+                    continue
+                fused, _, check = make_pair(name, M, N, K, dtype, device, cfg)
                 try:
+                    agree(check, dtype)
                     times[cfg] = graph(fused)
-                except Exception as e:      # a configuration this GPU cannot run (shared memory)
+                except Exception as e:      # a configuration this GPU cannot run (resources)
                     failed += 1
                     last_error = f"{type(e).__name__}: {str(e)[:80]}"
-            fused, _, _ = make_pair(name, M, N, K, dtype, device, default)
+                    if not smoke:
+                        torch.cuda.synchronize()
             best = min(times, key=times.get)
-            note = f"  ({failed} failed to run, e.g. {last_error})" if failed else ""
-            print(f"{name:8} M={M:<4} default {graph(fused):7.2f}  best {times[best]:7.2f}  {best}{note}", flush=True)
+            wins.setdefault(name, {})[M] = (t_default < t_unfused, times[best] < t_unfused)
+            tuned.setdefault((N, K, silu), {})[M] = best
+            note = f"  ({failed} failed, e.g. {last_error})" if failed else ""
+            print(f"{name:8} M={M:<4} unfused {t_unfused:7.2f}  default {t_default:7.2f}  best {times[best]:7.2f}  "
+                  f"x{t_unfused / times[best]:4.2f}  {best!r}{note}", flush=True)
+        print(f"  ({time.perf_counter() - start:.0f} s so far)", flush=True)
+    from paged_attention import runtime
+    print(f"\n# The best tiles measured on {runtime.device_name()}: to paste into "
+          f"paged_attention/kernels/triton/fused_linear.py\nTUNED = {{")
+    for shape, by_m in tuned.items():
+        print(f"    {shape!r}: {{")
+        for M, cfg in by_m.items():
+            print(f"        {M}: {cfg!r},")
+        print("    },")
+    print("}\n")
+    for which, label in ((1, "the best configurations (once pasted as TUNED)"), (0, "default_config as it is")):
+        print(f"suggested small_batch: {suggest_small_batch(Ms, wins, which)}  (fused QKV and gate-up both "
+              f"faster than unfused at every M up to it, with {label})")
+
+
+def suggest_small_batch(Ms, wins, which: int) -> int:
+    """The largest M of ``Ms`` up to which (every smaller M of ``Ms`` included) the fused QKV and
+    gate-up projections both beat the unfused ones; 0 if not even at the smallest."""
+    best = 0
+    for M in sorted(Ms):
+        if not all(wins.get(op, {}).get(M, (False, False))[which] for op in ("qkv", "gate_up")):
+            break
+        best = M
+    return best
 
 
 def main(argv=None) -> int:
@@ -154,7 +261,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's interpreter: the script runs")
     parser.add_argument("--dtype", default=None, help="bf16 (GPU default), fp16 or fp32 (smoke default)")
     parser.add_argument("--m", default=None, help="token counts, comma-separated (default 1,2,4,...,256)")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the tile configurations")
+    parser.add_argument("--sweep", action="store_true", help="sweep the tile configurations (instead of the table)")
+    parser.add_argument("--table", action="store_true", help="with --sweep: the table too, first")
     a = parser.parse_args(argv)
 
     import torch
@@ -165,14 +273,16 @@ def main(argv=None) -> int:
         print("needs an NVIDIA GPU (or --smoke for a check that the script runs)", file=sys.stderr)
         return 2
     dtype = resolve_dtype(a.dtype or ("fp32" if a.smoke else "bf16"))
-    Ms = [int(m) for m in a.m.split(",")] if a.m else ([1, 3, 17] if a.smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    default_ms = [1, 2, 4, 8, 16, 32, 64] + ([] if a.sweep else [128, 256])
+    Ms = [int(m) for m in a.m.split(",")] if a.m else ([1, 3, 17] if a.smoke else default_ms)
     device = runtime.DEVICE
     print(f"device: {runtime.device_name()}  torch {torch.__version__}  dtype {dtype}  "
           f"{'(smoke: interpreter, times meaningless)' if a.smoke else ''}")
     if not a.smoke:
         from paged_attention.bench import timing
         timing.warm_up()
-    run_table(Ms, dtype, device, a.smoke)
+    if a.table or not a.sweep:
+        run_table(Ms, dtype, device, a.smoke)
     if a.sweep:
         run_sweep(Ms, dtype, device, a.smoke)
     return 0

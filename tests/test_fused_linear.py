@@ -113,10 +113,13 @@ def test_norm_linear_equals_reference(dtype, M, N, K, silu):
 
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_tiles_of_every_size_give_the_same_answer(dtype):
-    """Several row tiles, several column tiles, K in several chunks or one: the stream is written
-    once by the first column tile, whatever the tiling."""
+    """Several row tiles, several column tiles, K in several chunks or one, on the tensor cores or
+    the CUDA cores: the stream is written once by the first column tile, whatever the tiling."""
     x, residual, norm_weight, weight = _inputs(37, 48, 80, dtype, silu=True)
-    for config in [FusedLinearConfig(16, 16, 16), FusedLinearConfig(32, 64, 128), FusedLinearConfig(64, 32, 32)]:
+    configs = [FusedLinearConfig(16, 16, 16), FusedLinearConfig(32, 64, 128), FusedLinearConfig(64, 32, 32),
+               # The CUDA-core product: one row, several; K in one chunk, in several.
+               FusedLinearConfig(1, 16, 128, 4, 1), FusedLinearConfig(4, 8, 32), FusedLinearConfig(8, 1, 16)]
+    for config in configs:
         out, stream = norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul", config=config)
         _check(out, stream, x, norm_weight, weight, residual, True)
 
@@ -133,8 +136,11 @@ def test_plain_linear_equals_float64(dtype):
 
 
 def test_strides_are_honoured():
-    """Views (a column slice, a transposed weight, every other row of a residual) give what their
-    contiguous copies give."""
+    """Views (a column slice, a transposed weight, every other row of a residual) give what the
+    kernel must give on contiguous tensors, on the tensor cores and on the CUDA cores (one row
+    and several, K in one chunk and in several). In the interpreter they give exactly what the
+    contiguous copies give; compiled, a transposed weight gets other loads and another order of
+    the float32 sums, so there the check is the float64 bound (and the stream, exact)."""
     x, residual, norm_weight, weight = _inputs(6, 24, 40, torch.float32, silu=True)
     wide = torch.randn(6, 50, device=DEV)
     wide[:, 5:45] = x
@@ -143,9 +149,13 @@ def test_strides_are_honoured():
     views = dict(x=wide[:, 5:45], residual=tall[::2], weight=weight.t().contiguous().t(),
                  norm_weight=torch.stack([norm_weight, norm_weight], 1)[:, 0])
     assert not any(v.is_contiguous() for v in views.values())
-    got = norm_linear(views["x"], views["norm_weight"], views["weight"], EPS, views["residual"], act="silu_and_mul")
-    want = norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul")
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for config in (None, FusedLinearConfig(1, 8, 64, 4, 1), FusedLinearConfig(2, 4, 16, 4, 1)):
+        got = norm_linear(views["x"], views["norm_weight"], views["weight"], EPS, views["residual"],
+                          act="silu_and_mul", config=config)
+        _check(*got, x, norm_weight, weight, residual, True)
+        if runtime.TRITON_INTERPRET:
+            want = norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul", config=config)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +225,10 @@ def test_bad_input_is_refused_before_launch():
         (ValueError, dict(act="gelu")),
         (ValueError, dict(eps=-1.0)),
         (TypeError, dict(config=(16, 16, 16))),
-        (ValueError, dict(config=FusedLinearConfig(8, 16, 16))),          # below tl.dot's tile
+        (ValueError, dict(config=FusedLinearConfig(16, 8, 16))),          # below tl.dot's tile
+        (ValueError, dict(config=FusedLinearConfig(3, 16, 16))),          # not a power of two
+        (ValueError, dict(config=FusedLinearConfig(1, 4, 8))),            # a K chunk below 16
+        (ValueError, dict(config=FusedLinearConfig(1, 4, 16, 3))),        # 3 warps
         (ValueError, dict(config=FusedLinearConfig(16, 48, 16))),         # not a power of two
     ]
     for error, change in bad:
@@ -315,7 +328,7 @@ def test_model_fused_equals_unfused(dtype):
 def test_fused_linear_on_smollm2_shapes_in_bf16():
     """On the GPU: SmolLM2-135M's two fused projections (QKV 960 x 576, gate-up 2 x 1536 x 576) in
     bf16, at the batch sizes of decode, against the float64 reference."""
-    for M in (1, 8, 64):
+    for M in (1, 2, 3, 8, 16, 64):
         for N, silu in ((960, False), (1536, True)):
             x, residual, norm_weight, weight = _inputs(M, N, 576, torch.bfloat16, silu, seed=M)
             out, stream = norm_linear(x, norm_weight, weight, EPS, residual,
@@ -324,16 +337,35 @@ def test_fused_linear_on_smollm2_shapes_in_bf16():
 
 
 def test_default_config_covers_small_batches():
-    for M in (1, 16, 17, 64, 300):
-        cfg = fused_linear.default_config(M, 576, 576)
-        assert 16 <= cfg.BLOCK_M <= 64 and cfg.BLOCK_M >= min(M, 64)
+    """A few rows: one row tile, K in one chunk (one pass), about a hundred programs or more on
+    SmolLM2's projections; more rows: tl.dot's tiles. Every default passes the config check."""
+    for M in (1, 2, 3, 4, 5, 16, 17, 64, 300):
+        for N, K, silu in ((960, 576, False), (1536, 576, True), (576, 576, False), (576, 1536, False)):
+            cfg = fused_linear.default_config(M, N, K, silu)
+            assert fused_linear._check_config(cfg) is cfg
+            if M <= fused_linear.CUDA_CORE_ROWS:
+                assert cfg.BLOCK_M >= M and cfg.BLOCK_M < 16 and cfg.BLOCK_K >= K
+                assert -(-N // cfg.BLOCK_N) >= 100
+            else:
+                assert cfg.BLOCK_M >= 16 and cfg.BLOCK_N >= 16
+
+
+def test_tuned_configs_come_first(monkeypatch):
+    """A measured entry serves the token counts up to its own; above the largest, the rule."""
+    shape = (960, 576, False)
+    one, eight = FusedLinearConfig(1, 2, 1024, 4, 1), FusedLinearConfig(16, 16, 128, 4, 3)
+    monkeypatch.setitem(fused_linear.TUNED, shape, {1: one, 8: eight})
+    assert fused_linear.default_config(1, *shape) == one
+    assert fused_linear.default_config(2, *shape) == eight == fused_linear.default_config(8, *shape)
+    assert fused_linear.default_config(9, *shape) == fused_linear.default_config(9, 960, 576, True)   # the rule
+    assert fused_linear.default_config(1, 960, 576, True) != one                       # another shape
 
 
 def test_benchmark_script_runs():
     """benchmarks/bench_fused_linear.py --smoke: tiny shapes in the interpreter, every row printed
     (fused and unfused first checked to agree), the sweep too."""
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fused_linear.py"), "--smoke", "--sweep",
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fused_linear.py"), "--smoke", "--sweep", "--table",
                            "--m", "1,17"], capture_output=True, text=True, timeout=300, cwd=root,
                           env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
                                "PYTHONPATH": str(root)})
@@ -341,4 +373,12 @@ def test_benchmark_script_runs():
     rows = [line.split() for line in done.stdout.splitlines()]
     table = [r for r in rows if r and r[0] in ("qkv", "gate_up", "o_proj", "down") and r[1].isdigit()]
     assert [(r[0], r[1]) for r in table] == [(op, m) for op in ("qkv", "gate_up", "o_proj", "down") for m in "1 17".split()]
-    assert sum(1 for r in rows if r and r[1].startswith("M=")) == 8
+    assert sum(1 for r in rows if len(r) > 1 and r[1].startswith("M=")) == 8
+    # The best tiles as a TUNED table that runs as Python, and the small_batch suggestion.
+    out = done.stdout
+    snippet = out[out.index("TUNED = {"):out.index("\n}\n") + 2]
+    scope = {"FusedLinearConfig": FusedLinearConfig}
+    exec(snippet, scope)
+    assert len(scope["TUNED"]) == 4 and all(sorted(by_m) == [1, 17] for by_m in scope["TUNED"].values())
+    assert all(isinstance(c, FusedLinearConfig) for by_m in scope["TUNED"].values() for c in by_m.values())
+    assert out.count("suggested small_batch:") == 2

@@ -14,12 +14,26 @@ work between two projections becomes one kernel:
 * ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM (for o_proj and
   down_proj, where it beats cuBLAS, if it does: ``benchmarks/bench_fused_linear.py`` measures).
 
+What makes it fast at a few rows is reading everything once, in one go, on many programs:
+
+* one pass over K. A program loads its weight tile first (the longest wait), then its rows of
+  the stream, computes the norm from those registers and multiplies: with ``BLOCK_K >= K`` (576
+  here) nothing is read twice and no loop waits on the one before. A larger K goes on in chunks,
+  and then the stream is read again (sum of squares first, then the product);
+* no padding to tensor-core tiles. ``tl.dot`` multiplies 16 rows at least: for one token that is
+  15 rows of zeros, and a detour through shared memory. Below 16 rows the product runs on the CUDA
+  cores instead (``_mma``): a broadcast multiply and a sum over K, in the registers the loads
+  filled;
+* narrow column tiles (4 to 16 columns at one row), so that a hundred programs or more share the
+  weights' read across the GPU's SMs.
+
 The arithmetic is that of the unfused path (``layer_ops.add_rms_norm`` then ``F.linear`` then
 ``layer_ops.silu_and_mul``), rounding for rounding: the sum rounded to the model's dtype, the norm
 in float32, the normalised value rounded before the weight multiply and the product rounded, a
-float32 accumulation, the GEMM's outputs rounded to the dtype before SwiGLU, silu rounded before
-the product. Only the order of the float32 sums differs, so results agree to a float32 rounding
-before the last cast.
+float32 accumulation (on the tensor cores or the CUDA cores alike: each product exact in float32
+for 16-bit inputs, one IEEE rounding for float32 ones), the GEMM's outputs rounded to the dtype
+before SwiGLU, silu rounded before the product. Only the order of the float32 sums differs, so
+results agree to a float32 rounding before the last cast.
 
 The residual stream. ``add_rms_norm`` stores ``x + residual`` back into ``residual``. Here many
 programs (one per tile of output columns) read the same rows of ``residual``, and no program can
@@ -54,15 +68,48 @@ def _load_stream(x_ptr, residual_ptr, rows, row_mask, k, K, stride_xm, stride_xk
 
 
 @triton.jit
-def _dot(a, b, acc):
-    # float32 tensors multiply in IEEE float32, as F.linear does (by default tl.dot would round
-    # float32 inputs to TF32 on the GPU); float16 and bfloat16 accumulate in float32 either way.
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+def _load_weight(weight_ptr, cols, col_mask, k, K, stride_wn, stride_wk, BLOCK_M: tl.constexpr):
+    """The weight tile: element (n, k) is ``weight[cols[n], k]``, 0 outside; ``[BLOCK_N, BLOCK_K]``,
+    or ``[1, BLOCK_N, BLOCK_K]`` for a product with 2 to 8 rows (see ``_mma``: loaded in that shape,
+    the load's layout is the product's, and the tile needs no reshuffle through shared memory)."""
+    if BLOCK_M > 1 and BLOCK_M < 16:
+        mask = col_mask[None, :, None] & (k < K)[None, None, :]
+        return tl.load(weight_ptr + cols[None, :, None] * stride_wn + k[None, None, :] * stride_wk, mask=mask,
+                       other=0.0)
+    else:
+        mask = col_mask[:, None] & (k < K)[None, :]
+        return tl.load(weight_ptr + cols[:, None] * stride_wn + k[None, :] * stride_wk, mask=mask, other=0.0)
 
 
 @triton.jit
+def _normalise(h, inv_rms, norm_weight):
+    """The GEMM's input: the stream in float32 times its row's ``1 / rms``, rounded to the dtype,
+    times the norm weight, rounded again (as ``add_rms_norm`` does)."""
+    y = (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype).to(tl.float32)
+    return (y * norm_weight.to(tl.float32)[None, :]).to(h.dtype)
+
+
+@triton.jit
+def _mma(a, w, acc, BLOCK_M: tl.constexpr):
+    """``acc + a @ w^T`` in float32, ``a`` ``[BLOCK_M, BLOCK_K]``, ``w`` the weight tile.
+
+    From 16 rows on the tensor cores (``tl.dot``; ``w`` ``[BLOCK_N, BLOCK_K]``); float32 inputs
+    multiply in IEEE float32, as F.linear does (by default tl.dot would round them to TF32 on the
+    GPU). Below 16 rows on the CUDA cores, which spares padding a few rows to tl.dot's 16: every
+    product in float32 (exact for 16-bit inputs, one IEEE rounding for float32 ones), summed over
+    K; one row against ``w`` ``[BLOCK_N, BLOCK_K]``, several against ``w`` ``[1, BLOCK_N, BLOCK_K]``.
+    """
+    if BLOCK_M >= 16:
+        if a.dtype == tl.float32:
+            return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(w), acc)
+    elif BLOCK_M == 1:
+        return acc + tl.sum(a.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+    else:
+        return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32), axis=2)
+
+
+@triton.jit(do_not_specialize=["M"])     # one compiled kernel for every token count
 def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
                          M, N, K, eps,
                          stride_xm, stride_xk, stride_rm, stride_rk, stride_nw, stride_wn, stride_wk,
@@ -79,46 +126,58 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
     n_mask = rn < N
     rows = rm.to(tl.int64)
     cols = rn.to(tl.int64)
-    dtype = x_ptr.dtype.element_ty
+    k = tl.arange(0, BLOCK_K)
 
-    # Pass 1 (with the norm): each row's sum of squares, over K in chunks. The programs of the first
-    # column tile also store the stream (x + residual) into the new stream tensor, [M, K] contiguous.
+    # The first K chunk (all of K when BLOCK_K >= K: then everything is read once). The weight
+    # tiles first, the longest wait; the stream's rows and the norm are worked out meanwhile.
+    w = _load_weight(weight_ptr, cols, n_mask, k, K, stride_wn, stride_wk, BLOCK_M)
+    if SILU_AND_MUL:
+        w_up = _load_weight(weight_ptr + N * stride_wn, cols, n_mask, k, K, stride_wn, stride_wk, BLOCK_M)
     if HAS_NORM:
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        # The rows this program stores: its own, if it is in the first column tile (none otherwise).
+        norm_w = tl.load(norm_weight_ptr + k * stride_nw, mask=k < K, other=0.0)
+    a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
+                     HAS_RESIDUAL)
+
+    if HAS_NORM:
+        # Each row's sum of squares; the programs of the first column tile also store the stream
+        # (x + residual) into the new stream tensor, [M, K] contiguous.
         store_rows = m_mask & (tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n == 0)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            h = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
+        af = a.to(tl.float32)
+        sum_sq = tl.sum(af * af, axis=1)
+        if HAS_RESIDUAL:
+            tl.store(stream_ptr + rows[:, None] * K + k[None, :], a, mask=store_rows[:, None] & (k < K)[None, :])
+        for k0 in range(BLOCK_K, K, BLOCK_K):           # the rest of the rows, if K > BLOCK_K
+            kk = k0 + k
+            h = _load_stream(x_ptr, residual_ptr, rows, m_mask, kk, K, stride_xm, stride_xk, stride_rm, stride_rk,
                              HAS_RESIDUAL)
             hf = h.to(tl.float32)
             sum_sq += tl.sum(hf * hf, axis=1)
             if HAS_RESIDUAL:
-                tl.store(stream_ptr + rows[:, None] * K + k[None, :], h,
-                         mask=store_rows[:, None] & (k < K)[None, :])
+                tl.store(stream_ptr + rows[:, None] * K + kk[None, :], h,
+                         mask=store_rows[:, None] & (kk < K)[None, :])
         inv_rms = 1.0 / tl.sqrt(sum_sq / K + eps)
+        a = _normalise(a, inv_rms, norm_w)
 
-    # Pass 2: the GEMM, one K chunk at a time. With the norm, the chunk of the stream is normalised
-    # on the way in: float32, rounded to the dtype, times the norm weight, rounded again.
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _mma(a, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_M)
     if SILU_AND_MUL:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
+        acc_up = _mma(a, w_up, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_M)
+
+    # The other K chunks, if any: the stream read again (from the cache), normalised on the way in.
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + k
+        w = _load_weight(weight_ptr, cols, n_mask, kk, K, stride_wn, stride_wk, BLOCK_M)
+        if SILU_AND_MUL:
+            w_up = _load_weight(weight_ptr + N * stride_wn, cols, n_mask, kk, K, stride_wn, stride_wk, BLOCK_M)
+        a = _load_stream(x_ptr, residual_ptr, rows, m_mask, kk, K, stride_xm, stride_xk, stride_rm, stride_rk,
                          HAS_RESIDUAL)
         if HAS_NORM:
-            w_norm = tl.load(norm_weight_ptr + k * stride_nw, mask=k_mask, other=0.0).to(tl.float32)
-            y = (a.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
-            a = (y * w_norm[None, :]).to(dtype)
-        # The weight tile transposed, [BLOCK_K, BLOCK_N]: element (k, n) is weight[n, k].
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        w_tile = weight_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk
-        acc = _dot(a, tl.load(w_tile, mask=w_mask, other=0.0), acc)
+            norm_w = tl.load(norm_weight_ptr + kk * stride_nw, mask=kk < K, other=0.0)
+            a = _normalise(a, inv_rms, norm_w)
+        acc = _mma(a, w, acc, BLOCK_M)
         if SILU_AND_MUL:
-            acc_up = _dot(a, tl.load(w_tile + N * stride_wn, mask=w_mask, other=0.0), acc_up)
+            acc_up = _mma(a, w_up, acc_up, BLOCK_M)
 
+    dtype = x_ptr.dtype.element_ty
     if SILU_AND_MUL:
         # As the unfused path: the projection's outputs rounded to the dtype, silu rounded before
         # the product.
@@ -136,8 +195,10 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
 # --------------------------------------------------------------------------------------------
 
 class FusedLinearConfig(NamedTuple):
-    """The kernel's tile sizes and launch options. ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``: powers of
-    two, at least 16 (``tl.dot``'s smallest tile)."""
+    """The kernel's tile sizes and launch options, powers of two. ``BLOCK_M`` rows a program: from
+    16 on, the product runs on the tensor cores (``tl.dot``, whose smallest tile is 16 x 16 x 16:
+    then ``BLOCK_N`` >= 16 too), below 16 on the CUDA cores (any ``BLOCK_N``). ``BLOCK_K`` (>= 16):
+    K in chunks of that many; at least K, the stream and the weights are read once."""
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
@@ -145,27 +206,60 @@ class FusedLinearConfig(NamedTuple):
     num_stages: int = 3
 
 
+CUDA_CORE_ROWS = 4
+"""Up to this many rows, ``default_config``'s rule takes the CUDA-core product (``_mma``)."""
+
+TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {}
+"""Measured best tiles, ``{(N, K, silu_and_mul): {M: config}}``, for the shapes a model runs:
+``benchmarks/bench_fused_linear.py --sweep`` prints this table for SmolLM2-135M's projections on
+the GPU it runs on. ``default_config`` takes the entry of the smallest measured M at or above
+the token count; shapes and token counts not in it get the rule."""
+
+
 def default_config(M: int, N: int, K: int, silu_and_mul: bool = False) -> FusedLinearConfig:
-    """Tiles for ``M`` rows (the token count), ``N`` output columns, ``K`` inputs. All the rows of a
-    small batch in one row tile (up to 64: the weights are then read once); narrow column tiles, so
-    that even N = 576 makes a few dozen programs to spread the weight reads over the GPU; K in
-    chunks of 64. A starting point: the benchmark's ``--sweep`` tries others on the GPU."""
-    block_m = min(64, max(16, next_power_of_2(M)))
-    block_n = 32 if N >= 1024 or silu_and_mul else 16
-    return FusedLinearConfig(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
+    """Tiles for ``M`` rows (the token count), ``N`` output columns, ``K`` inputs: ``TUNED``'s if
+    it has the shape, else by rule.
+
+    A decode step of a few requests is latency-bound: the kernel should read everything in one
+    go and spread the weights' read over the whole GPU. So, up to ``CUDA_CORE_ROWS`` rows: one row
+    tile, the CUDA-core product, K whole up to 2048 (one pass: the norm from the same registers),
+    and column tiles narrow enough to make about a hundred programs or more (an H100 has 132
+    SMs), fewer columns still if the product tile (rows x columns x K) would pass 16K elements
+    (then 8 warps hold it, else 4). Above: tl.dot on 16-row tiles, K in pipelined chunks of 64.
+    """
+    tuned = TUNED.get((N, K, bool(silu_and_mul)))
+    if tuned:
+        measured = [m for m in tuned if m >= M]
+        if measured:
+            return tuned[min(measured)]
+    if M <= CUDA_CORE_ROWS:
+        block_m = next_power_of_2(M)
+        block_k = min(2048, max(16, next_power_of_2(K)))
+        block_n = 16
+        while block_n > 4 and triton.cdiv(N, block_n) < 100:
+            block_n //= 2
+        while block_n > 1 and block_m * block_n * block_k > 16384:
+            block_n //= 2
+        num_warps = 4 if block_m * block_n * block_k <= 8192 else 8
+        return FusedLinearConfig(block_m, block_n, block_k, num_warps, 1)
+    return FusedLinearConfig(16, 16 if M <= 16 else 32, 64, 4, 3)
 
 
 def _check_config(config: object) -> FusedLinearConfig:
     if not isinstance(config, FusedLinearConfig):
         raise TypeError(f"config must be a FusedLinearConfig, got {args.type_name(config)}")
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"):
         v = getattr(config, name)
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"config.{name} must be a power of two >= 16, got {v!r}")
-    for name in ("num_warps", "num_stages"):
-        v = getattr(config, name)
-        if not isinstance(v, int) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"config.{name} must be a positive int, got {v!r}")
+    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
+        v = getattr(config, name)
+        if v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {v!r}")
+    if config.BLOCK_K < 16:
+        raise ValueError(f"config.BLOCK_K must be at least 16, got {config.BLOCK_K}")
+    if config.BLOCK_M >= 16 and config.BLOCK_N < 16:
+        raise ValueError(f"with BLOCK_M >= 16 (tl.dot) BLOCK_N must be at least 16, got {config.BLOCK_N}")
     return config
 
 
@@ -258,4 +352,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     return _launch(x, weight, None, None, 0.0, act, config, M, N, K)[0]
 
 
-__all__ = ["FusedLinearConfig", "default_config", "norm_linear", "linear"]
+__all__ = ["FusedLinearConfig", "TUNED", "default_config", "norm_linear", "linear"]
