@@ -280,6 +280,23 @@ def test_fused_norm_linear_ops_equal_torch_ones(dtype):
     assert fused_ops.small_batch == 8
 
 
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_fused_plain_linear_op_equals_f_linear(dtype):
+    """``linear`` (o_proj and down_proj): the fused kernel at most ``small_batch`` rows, ``F.linear``
+    above (seen by counting the fused calls), the same numbers either way, views included."""
+    torch_ops, fused_ops = _ops()
+    fused_ops.small_batch = 4
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    calls = []
+    fused = fused_ops._norm_linear
+    fused_ops._norm_linear = lambda *a: calls.append(a[0].size(0)) or fused(*a)
+    for M in (1, 3, 4, 6):
+        x, _, _, w = _inputs(M, CONFIG.hidden_size, CONFIG.intermediate_size, dtype, seed=M)
+        for x_in in (x, torch.zeros(M, 2 * x.size(1), dtype=dtype, device=DEV)[:, ::2].copy_(x)):
+            torch.testing.assert_close(fused_ops.linear(x_in, w), torch_ops.linear(x_in, w), **tol)
+    assert calls == [1, 1, 3, 3, 4, 4]
+
+
 def test_fused_ops_take_the_configured_tiles(monkeypatch):
     """``linear_config`` reaches the launch: a config or a function of the shape."""
     torch_ops, fused_ops = _ops()

@@ -4,9 +4,8 @@ A step of a 135M-parameter model launches some 300 small kernels; run eagerly, t
 what Python and the driver take to launch them (about 9 ms on an H100's host), several times
 what the GPU takes to run them. A CUDA graph records those launches once and replays them with
 one call. vLLM and nano-vllm capture decode steps for a set of batch sizes (1, 2, 4, 8, then
-every 16); so does this class, lazily: a graph is captured the first time a step needs it
-(warmed up first, eagerly, on that step's own inputs: the caches get the same keys and values
-the replay writes).
+every 16); so does this class, lazily: the first step of a shape runs eagerly, and its launches
+are then captured for the next ones.
 
 A graph replays the same kernels on the same addresses: the model runner keeps every input in a
 buffer that never moves (``engine/model_runner.py``), and a step runs the graph of its shape
@@ -89,19 +88,20 @@ class StepGraphs:
         return shape
 
     def run(self, key: tuple, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Replay the graph ``key`` (capturing ``forward`` first if it has none) and return its
-        output, a tensor the graph writes at every replay."""
+        """Replay the graph ``key`` and return its output, a tensor the graph writes at every
+        replay. Without a graph yet, run ``forward`` eagerly (this step's answer: it compiles
+        the kernels and makes their plans too), then capture it for the next steps. The capture
+        records without running: a step runs once, which matters because a step's forward may
+        change its own inputs (a greedy one stores each request's token where the next step
+        reads it)."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(forward)
+            out = forward()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.graphs[key] = (graph, forward())
+            torch.cuda.synchronize(self.device)
+            return out
         entry[0].replay()
         return entry[1]
-
-    def _capture(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        forward()                                   # compiles Triton kernels, makes kernel plans
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
-        torch.cuda.synchronize(self.device)
-        return graph, out

@@ -10,7 +10,9 @@ operations in between:
   queries, which the attention reads;
 * ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` on the fused gate-up output.
 
-and two that join a norm with the projection after it, for the QKV and the gate-up projections:
+and three for the projections, which a small batch runs as one kernel each (``linear``, the
+plain projection: o_proj and down_proj), two of them joining a norm with the projection after it
+(the QKV and the gate-up projections):
 
 * ``norm_linear(x, residual, norm_weight, weight)``: ``add_norm`` then ``F.linear``
   (``(out, new residual)``);
@@ -109,6 +111,10 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.add_norm(x, residual, norm_weight)
@@ -126,14 +132,17 @@ class FusedLayerOps:
     flash layout; the v0 layout's writer (``attention="cuda"``) follows an in-place rotation.
     Launches go through ``Launcher``s made once: an eager step calls these 90 times.
 
-    ``norm_linear`` and ``norm_linear_silu_mul`` are one launch each for at most ``small_batch``
-    token rows (a decode step of up to that many requests), where a GEMM library's fixed cost
-    dominates; above it, the norm kernel then ``F.linear`` (then ``silu_and_mul``). Their new
+    ``norm_linear``, ``norm_linear_silu_mul`` and ``linear`` are one launch each for at most
+    ``small_batch`` token rows (a decode step of up to that many requests), where a GEMM library's
+    fixed cost dominates; above it, the norm kernel then ``F.linear`` (then ``silu_and_mul``).
+    Measured on an H100 (``benchmarks/bench_fused_linear.py``, bf16, SmolLM2-135M's projections,
+    inside a CUDA graph), the fused kernels take half cuBLAS's time at one to two rows and still
+    win at four; from eight rows on (the tensor-core tiles) cuBLAS wins: so 4 by default. Their new
     residual stream is a new tensor (``fused_linear``'s docstring says why). Their tiles are
     ``fused_linear.default_config``'s unless ``linear_config`` is set (a ``FusedLinearConfig``,
     or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
 
-    SMALL_BATCH = 64
+    SMALL_BATCH = 4
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -241,8 +250,14 @@ class FusedLayerOps:
         return self.add_norm(x.contiguous(), None if residual is None else residual.contiguous(),
                              norm_weight.contiguous())
 
-    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.size(0) > self._small_batch:
+            return F.linear(x, weight)
+        return self._norm_linear(x, None, None, weight, False)[0]
+
+    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
                      weight: torch.Tensor, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # norm_weight None: the projection alone (o_proj, down_proj), no norm in front.
         fl = self._fused_linear
         M, K = x.shape
         N = weight.size(0) // 2 if silu else weight.size(0)
@@ -251,26 +266,30 @@ class FusedLayerOps:
             config = fl.default_config(M, N, K, silu)
         elif not isinstance(config, fl.FusedLinearConfig):
             config = config(M, N, K, silu)
-        if not (x.is_contiguous() and weight.is_contiguous() and norm_weight.is_contiguous()
+        has_norm = norm_weight is not None
+        if not (x.is_contiguous() and weight.is_contiguous() and (not has_norm or norm_weight.is_contiguous())
                 and (residual is None or residual.is_contiguous())):
-            # Views the fixed strides below do not describe: the checked front-end, which honours strides.
-            return fl.norm_linear(x, norm_weight, weight, self._eps, residual,
-                                  act="silu_and_mul" if silu else None, config=config)
-        key = (residual is not None, silu, N, K, config)
+            # Views the fixed strides below do not describe: the checked front-ends, which honour strides.
+            act = "silu_and_mul" if silu else None
+            if not has_norm:
+                return fl.linear(x, weight, act=act, config=config), x
+            return fl.norm_linear(x, norm_weight, weight, self._eps, residual, act=act, config=config)
+        key = (has_norm, residual is not None, silu, N, K, config)
         launch = self._linear_launchers.get(key)
         if launch is None:
             launch = self._linear_launchers[key] = self._launcher(
                 fl._fused_linear_kernel, ("x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "out_ptr",
                                           "stream_ptr", "M"),
                 N=N, K=K, eps=self._eps, stride_xm=K, stride_xk=1, stride_rm=K, stride_rk=1, stride_nw=1,
-                stride_wn=K, stride_wk=1, HAS_NORM=True, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
+                stride_wn=K, stride_wk=1, HAS_NORM=has_norm, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                 num_warps=config.num_warps, num_stages=config.num_stages)
         out = x.new_empty(M, N)
         stream = x if residual is None else x.new_empty(M, K)
         if M:
             grid = (-(-N // config.BLOCK_N), -(-M // config.BLOCK_M))
-            launch(grid, x, x if residual is None else residual, norm_weight, weight, out, stream, M)
+            launch(grid, x, x if residual is None else residual, norm_weight if has_norm else x, weight, out,
+                   stream, M)
         return out, stream
 
 

@@ -183,10 +183,10 @@ class LlamaForCausalLM:
             q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
             o = self.attn.decode(q, kv_cache, batch) if batch.is_decode_only else \
                 self.attn.mixed(q, kv_cache, batch, split)
-            hidden = F.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
+            hidden = ops.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
             act, residual = ops.norm_linear_silu_mul(hidden, residual, layer["post_attention_layernorm"],
                                                      layer["gate_up_proj"])
-            hidden = F.linear(act, layer["down_proj"])
+            hidden = ops.linear(act, layer["down_proj"])
         if not batch.is_decode_only:
             # Only each request's last new token is sampled from: request i's is row query_start_loc[i+1] - 1.
             last = batch.query_start_loc[1:].long() - 1
