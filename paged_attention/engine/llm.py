@@ -12,6 +12,7 @@ runs; the outputs come back in input order.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -261,7 +262,9 @@ class LLM:
                 raise ValueError(f"a dict prompt must be {{'prompt_token_ids': [...]}}, got keys {sorted(prompt)}")
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            # Plain ints are counted in C (a prompt may have thousands); anything else is looked at.
+            if operator.countOf(map(type, prompt), int) != len(prompt) and \
+                    not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("a token-id prompt must hold ints only")
             return list(prompt), None
         raise TypeError(f"a prompt must be a str, a list of token ids or {{'prompt_token_ids': [...]}}, "
@@ -276,7 +279,7 @@ class LLM:
         try:
             for (token_ids, text), p in zip(encoded, params):
                 ids.append(str(next(self._request_counter)))
-                engine.add_request(ids[-1], token_ids, p, prompt=text)
+                engine._add_checked_request(ids[-1], token_ids, p, prompt=text)     # generate() checked them
             outputs: dict[str, RequestOutput] = {}
             bar = _progress(len(ids)) if use_tqdm else None
             while engine.has_unfinished_requests():

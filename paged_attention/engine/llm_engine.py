@@ -213,7 +213,14 @@ class LLMEngine:
         """Queue a request (checked first: a refused request leaves the engine as it was)."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
-        params = self.check_request(prompt_token_ids, params)
+        self._add_checked_request(request_id, prompt_token_ids, self.check_request(prompt_token_ids, params), prompt)
+
+    def _add_checked_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             prompt: Optional[str] = None) -> None:
+        """``add_request`` for a request ``check_request`` has passed (``params``: its checked
+        copy), as ``LLM.generate`` does for all its requests before it queues any."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in the engine")
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
