@@ -65,6 +65,10 @@ def _priority_order(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
+# The statuses the per-request loops compare with, looked up once.
+_RUNNING, _PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+
+
 @dataclass
 class StepBudget:
     """What one ``schedule()`` call has decided so far: the budget left, who runs (how many
@@ -518,7 +522,7 @@ class Scheduler:
         stopped_preempted: set[Request] = set()
 
         # This loop runs once per request and step: attributes are read once into locals.
-        get_request, manager = self.requests.get, self.kv_cache_manager
+        get_request, manager, max_model_len = self.requests.get, self.kv_cache_manager, self.max_model_len
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = get_request(req_id)
             if request is None:
@@ -529,7 +533,7 @@ class Scheduler:
                 # Output of a run that was preempted since: drain it.
                 request.num_stale_output_tokens -= num_tokens_scheduled
             status_before_stop = request.status
-            if status_before_stop > RequestStatus.PREEMPTED:
+            if status_before_stop > _PREEMPTED:
                 continue        # finished (aborted) while the step ran
             if output_is_stale and request.drop_stale_output:
                 continue
@@ -538,9 +542,17 @@ class Scheduler:
             stopped = False
             if new_token_ids:
                 had_placeholders = request.num_output_placeholders > 0
-                new_token_ids, stopped = self._update_request_with_output(
-                    request, new_token_ids, is_stale=output_is_stale)
-                if (not output_is_stale and status_before_stop == RequestStatus.RUNNING
+                if len(new_token_ids) == 1 and not output_is_stale:
+                    # The common case, one token of a live run: _update_request_with_output's
+                    # one-token path, written out (this runs for every request every step).
+                    request.append_output_token_ids(new_token_ids[0])
+                    stopped = check_stop(request, max_model_len)
+                    if had_placeholders:
+                        request.num_output_placeholders -= 1
+                else:
+                    new_token_ids, stopped = self._update_request_with_output(
+                        request, new_token_ids, is_stale=output_is_stale)
+                if (not output_is_stale and status_before_stop == _RUNNING
                         and had_placeholders):
                     # Async scheduling: blocks filled by tokens only now known can be cached.
                     manager.cache_blocks(
@@ -550,7 +562,7 @@ class Scheduler:
             if stopped:
                 finish_reason = request.get_finished_reason()
                 self._free_request(request)
-                if status_before_stop == RequestStatus.RUNNING:
+                if status_before_stop == _RUNNING:
                     stopped_running.add(request)
                 else:
                     stopped_preempted.add(request)
@@ -580,13 +592,6 @@ class Scheduler:
         """Append the sampled tokens one by one, stopping at the first that ends the request
         (the tokens after it are dropped). Returns the tokens kept and whether it stopped."""
         num_new_tokens = len(new_token_ids)
-        if num_new_tokens == 1:
-            # One token (every step without speculative decoding): no loop, nothing to drop.
-            request.append_output_token_ids(new_token_ids[0])
-            stopped = check_stop(request, self.max_model_len)
-            if not is_stale and request.num_output_placeholders > 0:
-                request.num_output_placeholders -= 1
-            return new_token_ids, stopped
         stopped = False
         for num_kept, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(token_id)
