@@ -136,14 +136,11 @@ def quick_graph_us(fn, k: int = GRAPH_REPEATS, reps: int = 20) -> float:
     import torch
     import triton
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(k):
-            fn()
+    from paged_attention.bench.timing import graph_of_calls
+
+    graph = graph_of_calls(fn, k)
     cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
-    for _ in range(3):
+    for _ in range(2):
         graph.replay()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:

@@ -97,6 +97,21 @@ class _EagerGraphs:
         return forward()
 
 
+def _generate_recording_slots(model: LlamaForCausalLM, llm: LLM, ps: list[list[int]]):
+    """``llm``'s greedy tokens for ``ps``, and the slot mapping of every layer call (copies)."""
+    writes = []
+    write = model.ops.rope_and_cache
+
+    def spy(qkv, rope, kv_cache, slot_mapping):
+        writes.append(slot_mapping.clone())
+        return write(qkv, rope, kv_cache, slot_mapping)
+    model.ops.rope_and_cache = spy
+    try:
+        return tokens(llm.generate(ps, GREEDY, use_tqdm=False)), writes
+    finally:
+        del model.ops.rope_and_cache
+
+
 @pytest.mark.parametrize("block_tables", ["v1", "v2"])
 def test_padded_decode_batches_change_no_token_and_write_nothing(model, block_tables):
     """Decode batches padded to a graph's bucket (rows of the padding state: one key read, no
@@ -108,17 +123,8 @@ def test_padded_decode_batches_change_no_token_and_write_nothing(model, block_ta
     want = tokens(plain.generate(ps, GREEDY, use_tqdm=False))
     padded = LLM(model, **kw)
     padded.engine.runner.graphs = graphs = _EagerGraphs([1, 2, 4, 8])
-    writes = []
-    write = model.ops.rope_and_cache
-
-    def spy(qkv, rope, kv_cache, slot_mapping):
-        writes.append(slot_mapping.clone())
-        return write(qkv, rope, kv_cache, slot_mapping)
-    model.ops.rope_and_cache = spy
-    try:
-        assert tokens(padded.generate(ps, GREEDY, use_tqdm=False)) == want
-    finally:
-        del model.ops.rope_and_cache
+    got, writes = _generate_recording_slots(model, padded, ps)
+    assert got == want
     assert {k[0] for k in graphs.seen} == {8}                              # 5 requests in a batch of 8
     decode_slots = [s for s in writes if s.numel() == 8]
     assert decode_slots and all((s[5:] == PAD_SLOT_ID).all() and (s[:5] >= 0).all() for s in decode_slots)
@@ -136,17 +142,8 @@ def test_padded_steps_with_prefills_change_no_token_and_write_nothing(model, blo
     want = tokens(LLM(model, **kw).generate(ps, GREEDY, use_tqdm=False))
     padded = LLM(model, **kw)
     padded.engine.runner.graphs = graphs = _EagerGraphs([1, 2, 4, 8], mixed=True, max_tokens=40)
-    writes = []
-    write = model.ops.rope_and_cache
-
-    def spy(qkv, rope, kv_cache, slot_mapping):
-        writes.append(slot_mapping.clone())
-        return write(qkv, rope, kv_cache, slot_mapping)
-    model.ops.rope_and_cache = spy
-    try:
-        assert tokens(padded.generate(ps, GREEDY, use_tqdm=False)) == want
-    finally:
-        del model.ops.rope_and_cache
+    got, writes = _generate_recording_slots(model, padded, ps)
+    assert got == want
     mixed = [k for k in graphs.seen if k[2] > 1]
     assert mixed and any(k[1] > 1 and k[0] > 1 for k in mixed)
     # Each step wrote every layer with its slot mapping: its real tokens' slots, then padding.

@@ -103,10 +103,9 @@ def graph_us(fn: Callable[[], object]) -> float:
     return gpu_us(graph.replay)
 
 
-def hot_us(fn: Callable[[], object], k: int = 20) -> float:
-    """Microseconds per call with warm caches: ``k`` calls back to back captured in one CUDA
-    graph, replayed (one L2 flush per replay, amortised over the ``k`` calls). Closer to a step
-    inside a model run, where these small tensors were just written and sit in L2."""
+def graph_of_calls(fn: Callable[[], object], k: int) -> torch.cuda.CUDAGraph:
+    """``k`` calls of ``fn`` back to back, captured in one CUDA graph (after one call outside it,
+    which compiles), replayed once."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -115,7 +114,14 @@ def hot_us(fn: Callable[[], object], k: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    return gpu_us(graph.replay) / k
+    return graph
+
+
+def hot_us(fn: Callable[[], object], k: int = 20) -> float:
+    """Microseconds per call with warm caches: ``k`` calls back to back captured in one CUDA
+    graph, replayed (one L2 flush per replay, amortised over the ``k`` calls). Closer to a step
+    inside a model run, where these small tensors were just written and sit in L2."""
+    return gpu_us(graph_of_calls(fn, k).replay) / k
 
 
 def queued_us(fn: Callable[[], object], reps: int = 100, head_start_cycles: int = 2_000_000) -> float:
