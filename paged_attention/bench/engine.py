@@ -18,7 +18,9 @@ reservation of the model's whole context per request.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib
 import json
 import statistics
 import time
@@ -168,7 +170,16 @@ def load_transformers(dtype: torch.dtype, device: torch.device):
 
     from paged_attention.model.weights import packaged_model_path
     path = packaged_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    # Without its progress bar (in a notebook, a widget that a saved page cannot show).
+    gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
     return model.to(device).eval()
 
 
