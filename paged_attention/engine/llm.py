@@ -64,8 +64,9 @@ class LLM:
     chunks). ``block_tables``: which of the project's table classes turns
     the block lists into kernel inputs: ``"auto"`` (v2 on a GPU, v1 on a CPU), ``"v2"``,
     ``"v2-vllm"`` or ``"v1"``.
-    ``cuda_graphs``: replay decode steps from CUDA graphs on a GPU (with an attention whose
-    decode reads nothing back to the host: not the reference's). ``record_block_owners``: every
+    ``cuda_graphs``: replay steps from CUDA graphs on a GPU (with an attention whose decode
+    reads nothing back to the host: not the reference's; steps with prefills too where the
+    prefill kernel reads its batch's layout on the device: Triton's). ``record_block_owners``: every
     step's record says who holds each block, for the pool drawings (a benchmark turns it off: with
     hundreds of requests it is a quarter of the scheduler's time). ``record_gpu_time``: CUDA
     events around each step's device work (the benchmark's idle-time figure).

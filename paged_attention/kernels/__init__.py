@@ -10,11 +10,13 @@ How a Triton kernel is launched, everywhere in the package (here and in ``v2``),
 * A front-end whose kernel a model calls every step with the same shapes makes a **plan**: its
   checks run once, and a ``Launcher`` (``paged_attention.triton_launch``) holds the fixed
   arguments; each later call only launches through it. These are ``triton.decode.DecodePlan``,
-  ``triton.cache.CacheWritePlan`` and ``v2.FastBlockTables`` (its launchers kept per tile shape);
-  the plans' shared parts are in ``triton.launch``.
-* Every other kernel is launched with Triton's own ``kernel[grid](...)``: the prefill, the layer
-  ops (the engine replays decode steps from CUDA graphs on a GPU, where no host code runs), the v2
-  kernels shaped like vLLM's (kept as vLLM writes them) and ``StagedWriteTensor``'s apply.
+  ``triton.prefill.PrefillPlan``, ``triton.cache.CacheWritePlan`` and ``v2.FastBlockTables`` (its
+  launchers kept per tile shape); the plans' shared parts are in ``triton.launch``.
+* Every other kernel is launched with Triton's own ``kernel[grid](...)`` from its checked
+  front-end: the layer ops and the fused projections (the model's ``FusedLayerOps`` keeps
+  ``Launcher``s of them, and the engine replays its steps from CUDA graphs on a GPU, where no
+  host code runs), the v2 kernels shaped like vLLM's (kept as vLLM writes them) and
+  ``StagedWriteTensor``'s apply.
 
 Nothing else calls a compiled kernel: the Triton internals that a direct launch needs are reached
 only through ``triton_launch.direct_launch_api``, which falls back to Triton's own path on a
