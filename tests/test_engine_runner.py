@@ -196,3 +196,22 @@ def test_a_step_reads_nothing_back_to_the_host(model, monkeypatch):
     out = llm.generate(prompts(3, seed=24, prefix=system), GREEDY, use_tqdm=False)
     assert tokens(out) == want
     assert any(not s.decode_only for s in llm.engine.step_stats)            # prefill chunks ran too
+
+
+def test_step_graph_keys_pad_each_shape_up_and_cap_prefill_shapes():
+    """``StepGraphs``' keys (no GPU needed to ask them): a decode batch goes to its bucket; a step
+    with prefills pads its requests the same way, its tokens to a power of two then a multiple of
+    1024 (never past the step's budget), its longest query to a power of two; past ``max_mixed``
+    shapes a new one gets no graph, and the shapes already seen keep theirs."""
+    from paged_attention.engine.cuda_graphs import StepGraphs, graph_batch_sizes, token_bucket
+
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert [token_bucket(n) for n in (1, 3, 1024, 1025, 5000)] == [1, 4, 1024, 2048, 5120]
+    graphs = StepGraphs(40, 4000, 2048, torch.device("cpu"), max_mixed=2)
+    assert graphs.key(3, 256) == (4, 4, 1, 256) and graphs.key(33, 512) == (40, 40, 1, 512)
+    assert graphs.key(41, 256) is None
+    assert graphs.mixed_key(3, 100, 37, 256) == (4, 128, 64, 256)
+    assert graphs.mixed_key(17, 3900, 1000, 2048) == (32, 4000, 1024, 2048)     # tokens capped at the budget
+    assert graphs.mixed_key(5, 100, 37, 256) is None                             # a third shape: eager
+    assert graphs.mixed_key(4, 128, 64, 256) == (4, 128, 64, 256)                # a shape seen keeps its graph
+    assert graphs.pool is None and not graphs.graphs                             # nothing captured by asking

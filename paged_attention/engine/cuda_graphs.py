@@ -59,7 +59,7 @@ class StepGraphs:
         self.max_num_tokens, self.max_model_len = max_num_tokens, max_model_len
         self.device = device
         self.max_mixed = max_mixed
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None         # the graphs' shared memory pool, made at the first capture
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._mixed_shapes: set[tuple] = set()
         self._bucket_of = {}     # batch size -> its bucket (a lookup: this runs every step)
@@ -96,6 +96,8 @@ class StepGraphs:
         reads it)."""
         entry = self.graphs.get(key)
         if entry is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             out = forward()
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
