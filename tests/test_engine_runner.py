@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from paged_attention.engine import LLM, SamplingParams
+from paged_attention.engine.cuda_graphs import StepGraphs
 from paged_attention.engine.model_runner import RequestStates
 from paged_attention.model import LlamaForCausalLM
 from paged_attention.utils import PAD_SLOT_ID
@@ -71,26 +72,13 @@ def test_a_mixed_batch_is_packed_as_the_kernels_need_it(model):
     assert inputs.samples.tolist() == [True, False]
 
 
-class _EagerGraphs:
-    """Stands in for ``StepGraphs`` on a CPU: the same buckets and padding, run eagerly (steps
-    with prefills padded too when ``mixed``)."""
+class _EagerGraphs(StepGraphs):
+    """``StepGraphs`` on a CPU: its keys (the same buckets and padding), each step run eagerly.
+    Steps with prefills are padded too when ``mixed``."""
 
-    def __init__(self, sizes: list[int], mixed: bool = False, max_tokens: int = 0) -> None:
-        self.sizes, self.seen, self.mixed, self.max_tokens = sizes, [], mixed, max_tokens
-
-    def key(self, num_reqs: int, max_seq_len: int):
-        bs = next((s for s in self.sizes if s >= num_reqs), None)
-        return None if bs is None else (bs, bs, 1, 256)
-
-    def mixed_key(self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int):
-        from paged_attention.engine.cuda_graphs import token_bucket
-        from paged_attention.utils import next_power_of_2
-
-        bs = next((s for s in self.sizes if s >= num_reqs), None)
-        if not self.mixed or bs is None:
-            return None
-        tokens = min(token_bucket(num_tokens), self.max_tokens)
-        return bs, tokens, min(next_power_of_2(max_query_len), tokens), max_seq_len
+    def __init__(self, max_num_seqs: int, max_tokens: int, mixed: bool = False) -> None:
+        super().__init__(max_num_seqs, max_tokens, 2048, torch.device("cpu"), max_mixed=32 if mixed else 0)
+        self.seen = []
 
     def run(self, key, forward):
         self.seen.append(key)
@@ -122,7 +110,7 @@ def test_padded_decode_batches_change_no_token_and_write_nothing(model, block_ta
     plain = LLM(model, **kw)
     want = tokens(plain.generate(ps, GREEDY, use_tqdm=False))
     padded = LLM(model, **kw)
-    padded.engine.runner.graphs = graphs = _EagerGraphs([1, 2, 4, 8])
+    padded.engine.runner.graphs = graphs = _EagerGraphs(8, 256)
     got, writes = _generate_recording_slots(model, padded, ps)
     assert got == want
     assert {k[0] for k in graphs.seen} == {8}                              # 5 requests in a batch of 8
@@ -141,7 +129,7 @@ def test_padded_steps_with_prefills_change_no_token_and_write_nothing(model, blo
               max_num_batched_tokens=40, block_size=4)
     want = tokens(LLM(model, **kw).generate(ps, GREEDY, use_tqdm=False))
     padded = LLM(model, **kw)
-    padded.engine.runner.graphs = graphs = _EagerGraphs([1, 2, 4, 8], mixed=True, max_tokens=40)
+    padded.engine.runner.graphs = graphs = _EagerGraphs(8, 40, mixed=True)
     got, writes = _generate_recording_slots(model, padded, ps)
     assert got == want
     mixed = [k for k in graphs.seen if k[2] > 1]
@@ -203,7 +191,7 @@ def test_step_graph_keys_pad_each_shape_up_and_cap_prefill_shapes():
     with prefills pads its requests the same way, its tokens to a power of two then a multiple of
     1024 (never past the step's budget), its longest query to a power of two; past ``max_mixed``
     shapes a new one gets no graph, and the shapes already seen keep theirs."""
-    from paged_attention.engine.cuda_graphs import StepGraphs, graph_batch_sizes, token_bucket
+    from paged_attention.engine.cuda_graphs import graph_batch_sizes, token_bucket
 
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert [token_bucket(n) for n in (1, 3, 1024, 1025, 5000)] == [1, 4, 1024, 2048, 5120]
