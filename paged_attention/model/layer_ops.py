@@ -137,12 +137,11 @@ class FusedLayerOps:
     fixed cost dominates; above it, the norm kernel then ``F.linear`` (then ``silu_and_mul``).
     Measured on an H100 (``benchmarks/bench_fused_linear.py``, bf16, SmolLM2-135M's projections,
     inside a CUDA graph), the fused kernels take half cuBLAS's time at one to two rows and still
-    win at four; from eight rows on (the tensor-core tiles) cuBLAS wins: so 4 by default. Their new
+    win at four; from eight rows on (the tensor-core tiles) cuBLAS wins: so the default is the
+    kernels' CUDA-core range, ``fused_linear.CUDA_CORE_ROWS`` (4). Their new
     residual stream is a new tensor (``fused_linear``'s docstring says why). Their tiles are
     ``fused_linear.default_config``'s unless ``linear_config`` is set (a ``FusedLinearConfig``,
     or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
-
-    SMALL_BATCH = 4
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -171,12 +170,13 @@ class FusedLayerOps:
         from paged_attention.kernels.triton import fused_linear
         self._fused_linear, self._eps = fused_linear, float(config.rms_norm_eps)
         self._linear_launchers: dict[tuple, Launcher] = {}
-        self.small_batch = self.SMALL_BATCH
+        self.small_batch = fused_linear.CUDA_CORE_ROWS
         self.linear_config = None
 
     @property
     def small_batch(self) -> int:
-        """The most token rows that take the fused norm-and-projection kernels (64 by default)."""
+        """The most token rows that take the fused projection kernels (``fused_linear.CUDA_CORE_ROWS`` by
+        default)."""
         return self._small_batch
 
     @small_batch.setter
