@@ -1,16 +1,16 @@
 """The fused norm-and-projection kernels against the unfused ops, on SmolLM2-135M's projections.
 
 Usage (on a GPU):  python3 benchmarks/bench_fused_linear.py [--dtype bf16] [--m 1,2,4]      (the table)
-                   python3 benchmarks/bench_fused_linear.py --sweep [--m 1,2,4,8,16,32,64] [--table]
-                   python3 benchmarks/bench_fused_linear.py --smoke [--sweep --table]  (any machine:
+                   python3 benchmarks/bench_fused_linear.py --sweep [--layer] [--m 1,2,4,8,16,32,64] [--table]
+                   python3 benchmarks/bench_fused_linear.py --smoke [--sweep --table --layer]  (any machine:
                    tiny shapes, Triton's interpreter; only a check that the script runs)
 
 For each token count M (1 to 256) and each of a layer's four projections (hidden 576,
-intermediate 1536, QKV 960 wide), the fused side and the unfused side:
+intermediate 1536, QKV 960 wide), the fused side (as the model calls it) and the unfused side:
 
-* qkv:     ``norm_linear``                       vs ``add_rms_norm`` + ``F.linear``
-* gate_up: ``norm_linear(act="silu_and_mul")``   vs ``add_rms_norm`` + ``F.linear`` + ``silu_and_mul``
-* o_proj, down: ``fused_linear.linear``          vs ``F.linear`` (cuBLAS)
+* qkv:     ``norm_linear(sum_sq=...)``                   vs ``add_rms_norm`` + ``F.linear``
+* gate_up: ``norm_linear(sum_sq=..., act="silu_and_mul")`` vs ``add_rms_norm`` + ``F.linear`` + ``silu_and_mul``
+* o_proj, down: ``fused_linear.linear_add``              vs ``F.linear`` (cuBLAS; the add is in the norm kernel)
 
 Two timings each, in microseconds: ``bench`` is ``triton.testing.do_bench`` (median, L2 flushed
 before each call, the launch in the span); ``graph`` is 30 calls captured in one CUDA graph and
@@ -26,6 +26,9 @@ default configuration's, the best one's and that configuration; then the best on
 ``fused_linear.TUNED`` table, ready to paste, and a suggested ``small_batch`` for
 ``FusedLayerOps``: the largest M up to which the fused QKV and gate-up projections both beat the
 unfused ones.
+
+``--layer`` (after a sweep: with its best tiles) times what decides ``small_batch``: two layers'
+projections and norms through ``FusedLayerOps``, with the fused kernels and without, per M.
 """
 from __future__ import annotations
 
@@ -48,7 +51,14 @@ def shapes(smoke: bool) -> list[tuple[str, int, int]]:
 
 
 def make_pair(name: str, M: int, N: int, K: int, dtype, device, config=None):
-    """The fused and the unfused callable of one projection at M rows, on fixed random inputs."""
+    """The fused and the unfused callable of one projection at M rows, on fixed random inputs,
+    as the model runs them:
+
+    * qkv, gate_up: fused, ``norm_linear`` of a stream whose sums of squares a ``linear_add``
+      handed over (``sum_sq=``); unfused, ``add_rms_norm`` then ``F.linear`` (then ``silu_and_mul``);
+    * o_proj, down: fused, ``linear_add`` (the projection with the residual add and the sums of
+      squares); unfused, ``F.linear`` (the add is then done by the next norm kernel, timed above).
+    """
     import torch
     import torch.nn.functional as F
 
@@ -57,19 +67,22 @@ def make_pair(name: str, M: int, N: int, K: int, dtype, device, config=None):
 
     g = torch.Generator().manual_seed(M * 7 + N)
     x = torch.randn(M, K, generator=g).to(device, dtype)
-    residual = torch.randn(M, K, generator=g).to(device, dtype)
-    norm_weight = (1 + 0.1 * torch.randn(K, generator=g)).to(device, dtype)
     silu = name == "gate_up"
-    weight = (torch.randn(2 * N if silu else N, K, generator=g) / K ** 0.5).to(device, dtype)
-    act = "silu_and_mul" if silu else None
     if name in ("qkv", "gate_up"):
+        residual = torch.randn(M, K, generator=g).to(device, dtype)
+        norm_weight = (1 + 0.1 * torch.randn(K, generator=g)).to(device, dtype)
+        weight = (torch.randn(2 * N if silu else N, K, generator=g) / K ** 0.5).to(device, dtype)
+        act = "silu_and_mul" if silu else None
+        # The stream and its sums of squares, as a linear_add leaves them (pieces of 32 columns).
+        stream = x + residual
+        sum_sq = stream.float().pow(2).view(M, -1, 32).sum(2) if K % 32 == 0 else stream.float().pow(2).sum(1, True)
         # The unfused side stores its sum into its residual: each call gets its own copy, the same
         # every time (a copy of the original, refreshed outside the timed span would be another
         # kernel; the sum drifting from call to call does not change the time).
         res_unfused = residual.clone()
 
         def fused():
-            return fl.norm_linear(x, norm_weight, weight, EPS, residual, act=act, config=config)[0]
+            return fl.norm_linear(stream, norm_weight, weight, EPS, act=act, config=config, sum_sq=sum_sq)[0]
 
         def unfused():
             out = F.linear(add_rms_norm(x, norm_weight, EPS, res_unfused), weight)
@@ -79,15 +92,77 @@ def make_pair(name: str, M: int, N: int, K: int, dtype, device, config=None):
             want = F.linear(add_rms_norm(x, norm_weight, EPS, residual.clone()), weight)
             return fused(), silu_and_mul(want) if silu else want
     else:
+        weight = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
+        residual = torch.randn(M, N, generator=g).to(device, dtype)
+
         def fused():
-            return fl.linear(x, weight, config=config)
+            return fl.linear_add(x, weight, residual, config=config)[0]
 
         def unfused():
             return F.linear(x, weight)
 
         def check():
-            return fused(), unfused()
+            return fused(), unfused() + residual
     return fused, unfused, check
+
+
+def run_layer(Ms, dtype, device, smoke: bool) -> None:
+    """A layer's projections and norms as the model runs them (``FusedLayerOps``: norm_linear,
+    linear_add, norm_linear_silu_mul, linear_add) with the fused kernels (``small_batch`` above M)
+    and without (norm kernels, cuBLAS, SwiGLU kernel), graph us per layer, and the suggested
+    ``small_batch``: the largest M up to which the fused layer is faster at every M measured."""
+    import torch
+
+    from paged_attention.model import LlamaConfig
+    from paged_attention.model.attention import PagedAttention
+    from paged_attention.model.layer_ops import FusedLayerOps, ResidualStream, RotaryEmbedding
+    if smoke:
+        cfg = LlamaConfig.tiny()
+    else:
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=EPS)
+    rope = RotaryEmbedding(cfg.head_dim, 64, cfg.rope_theta, device)
+    attn = PagedAttention("reference" if smoke else "triton", cfg.num_attention_heads, cfg.num_key_value_heads,
+                          cfg.head_dim, device)
+    ops = FusedLayerOps(cfg, rope, attn)
+    graph = timers(smoke)[1]
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device, dtype)
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    weights = dict(ln1=1 + w(hidden), qkv=w(cfg.q_size + 2 * cfg.kv_size, hidden), o=w(hidden, cfg.q_size),
+                   ln2=1 + w(hidden), gate_up=w(2 * inter, hidden), down=w(hidden, inter))
+    print(f"\nlayer (graph us per layer: norm_linear, linear_add, norm_linear_silu_mul, linear_add)")
+    faster = []
+    for M in Ms:
+        x0, attn_out = w(M, hidden) * hidden ** 0.5, w(M, cfg.q_size)
+
+        def layer():
+            stream = ResidualStream(x0.clone())
+            for _ in range(2):                    # two layers, so the second starts from sums of squares
+                qkv, residual = ops.norm_linear(stream, weights["ln1"], weights["qkv"])
+                stream = ops.linear_add(attn_out + qkv[:, :1], weights["o"], residual)
+                act, residual = ops.norm_linear_silu_mul(stream, weights["ln2"], weights["gate_up"])
+                stream = ops.linear_add(act, weights["down"], residual)
+            return ops.norm(stream, weights["ln1"])
+        times, outs = {}, {}
+        for label, small in (("unfused", 0), ("fused", 1 << 20)):
+            ops.small_batch = small
+            outs[label] = layer()
+            times[label] = graph(layer) / 2
+        err = ((outs["fused"].float() - outs["unfused"].float()).abs().max() /
+               outs["unfused"].float().abs().max()).item()
+        assert err < 0.05, f"fused and unfused layers disagree at M={M}: {err:.3g}"
+        faster.append(times["fused"] < times["unfused"])
+        print(f"M={M:<4} unfused {times['unfused']:7.2f}  fused {times['fused']:7.2f}  "
+              f"x{times['unfused'] / times['fused']:4.2f}  (rel diff {err:.1e})", flush=True)
+    best = 0
+    for M, ok in zip(Ms, faster):
+        if not ok:
+            break
+        best = M
+    print(f"suggested small_batch: {best}")
 
 
 def agree(check, dtype) -> float:
@@ -185,7 +260,9 @@ def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
         dots += [] if silu else [(16, 16, 256)]             # with two weight tiles it spills
         own = min(64, next_power_of_2(M))
         if own > 16:
-            dots += [(own, 32, 64), (own, 64, 64)]
+            dots += [(own, 16, 64), (own, 16, 128), (own, 32, 64), (own, 32, 128), (own, 64, 64)]
+        if M > 64:
+            dots += [(32, 32, 64), (32, 64, 64)]
         out += [C(bm, bn, bk, 4, 2 if bk >= 256 else 3) for bm, bn, bk in dots]
     return out
 
@@ -237,6 +314,7 @@ def run_sweep(Ms, dtype, device, smoke: bool) -> None:
             print(f"        {M}: {cfg!r},")
         print("    },")
     print("}\n")
+    fl.TUNED.update(tuned)                     # what a --layer run after the sweep then takes
     for which, label in ((1, "the best configurations (once pasted as TUNED)"), (0, "default_config as it is")):
         print(f"suggested small_batch: {suggest_small_batch(Ms, wins, which)}  (fused QKV and gate-up both "
               f"faster than unfused at every M up to it, with {label})")
@@ -260,6 +338,7 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default=None, help="token counts, comma-separated (default 1,2,4,...,256)")
     parser.add_argument("--sweep", action="store_true", help="sweep the tile configurations (instead of the table)")
     parser.add_argument("--table", action="store_true", help="with --sweep: the table too, first")
+    parser.add_argument("--layer", action="store_true", help="a whole layer's projections and norms, fused or not")
     a = parser.parse_args(argv)
 
     import torch
@@ -278,10 +357,12 @@ def main(argv=None) -> int:
     if not a.smoke:
         from paged_attention.bench import timing
         timing.warm_up()
-    if a.table or not a.sweep:
+    if a.table or not (a.sweep or a.layer):
         run_table(Ms, dtype, device, a.smoke)
     if a.sweep:
         run_sweep(Ms, dtype, device, a.smoke)
+    if a.layer:                                # after a sweep: with its best tiles
+        run_layer(Ms, dtype, device, a.smoke)
     return 0
 
 

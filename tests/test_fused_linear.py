@@ -14,10 +14,10 @@ import torch
 
 from paged_attention import runtime
 from paged_attention.kernels.triton import fused_linear
-from paged_attention.kernels.triton.fused_linear import FusedLinearConfig, linear, norm_linear
+from paged_attention.kernels.triton.fused_linear import FusedLinearConfig, linear, linear_add, norm_linear
 from paged_attention.model import LlamaConfig, LlamaForCausalLM, random_weights
 from paged_attention.model.attention import PagedAttention
-from paged_attention.model.layer_ops import FusedLayerOps, RotaryEmbedding, TorchLayerOps
+from paged_attention.model.layer_ops import FusedLayerOps, ResidualStream, RotaryEmbedding, TorchLayerOps
 from tests.conftest import dtype_params
 
 DEV = runtime.DEVICE
@@ -159,6 +159,96 @@ def test_strides_are_honoured():
 
 
 # --------------------------------------------------------------------------------------------
+# The residual add behind a projection, and the norm from its sums of squares
+# --------------------------------------------------------------------------------------------
+
+def _check_linear_add(out, sum_sq, x, weight, residual, config):
+    """The stream ``residual + F.linear(x, weight)``: within the float32 accumulation and the two
+    roundings of the float64 value (the projection's, the sum's) ; and the pieces: one per column
+    tile, adding up to each row's sum of squares of what was stored."""
+    u = torch.finfo(x.dtype).eps / 2
+    proj = x.double() @ weight.double().T
+    bound = (x.double().abs() @ weight.double().abs().T) * (x.size(1) * 2.0 ** -24 + u) \
+        + u * (proj + residual.double()).abs() + 2 * u * proj.abs() + 1e-300
+    assert out.dtype == x.dtype and ((out.double() - proj - residual.double()).abs() <= bound).all()
+    tiles = -(-weight.size(0) // (config or fused_linear.default_config(*out.shape, x.size(1))).BLOCK_N)
+    assert sum_sq.shape == (out.size(0), tiles) and sum_sq.dtype == torch.float32
+    squares = out.double().pow(2).sum(1)
+    assert ((sum_sq.double().sum(1) - squares).abs() <= 1e-5 * squares + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_linear_add_and_the_norm_from_its_sums(dtype, M):
+    """``linear_add`` against float64, on the CUDA cores and the tensor cores, one column tile or
+    many; then ``norm_linear(sum_sq=...)`` of its stream gives what the two-pass norm gives."""
+    x, _, _, weight = _inputs(M, 40, 72, dtype, seed=M)
+    residual = torch.randn(M, 40, generator=torch.Generator().manual_seed(9)).to(DEV, dtype)
+    norm_weight, gate_up = _inputs(M, 24, 40, dtype, silu=True, seed=M + 1)[2:]
+    before = residual.clone()
+    for config in (None, FusedLinearConfig(1, 8, 64, 4, 1), FusedLinearConfig(4, 16, 32), FusedLinearConfig(16, 16, 16),
+                   FusedLinearConfig(16, 64, 128)):
+        out, sum_sq = linear_add(x, weight, residual, config=config)
+        _check_linear_add(out, sum_sq, x, weight, residual, config)
+        assert torch.equal(residual, before)                    # only read
+        got, stream = norm_linear(out, norm_weight, gate_up, EPS, act="silu_and_mul", sum_sq=sum_sq)
+        assert stream is out
+        _check(got, stream, out, norm_weight, gate_up, None, True)
+    # Views: every other row of the residual, a column slice of x, the pieces as a column slice.
+    tall = torch.zeros(2 * M, 40, dtype=dtype, device=DEV)
+    tall[::2] = residual
+    wide = torch.zeros(M, 80, dtype=dtype, device=DEV)
+    wide[:, 3:75] = x
+    out, sum_sq = linear_add(wide[:, 3:75], weight, tall[::2])
+    _check_linear_add(out, sum_sq, x, weight, residual, None)
+    pieces = torch.zeros(M, sum_sq.size(1) + 3, device=DEV)
+    pieces[:, 1:-2] = sum_sq
+    got, _ = norm_linear(out, norm_weight, gate_up, EPS, act="silu_and_mul", sum_sq=pieces[:, 1:-2])
+    _check(got, out, out, norm_weight, gate_up, None, True)
+
+
+def test_linear_add_check_fails_on_planted_bugs():
+    """The residual not added, the pieces of another row, a piece dropped: each caught."""
+    x, _, _, weight = _inputs(5, 40, 72, torch.float32, seed=2)
+    residual = torch.randn(5, 40, generator=torch.Generator().manual_seed(4)).to(DEV)
+    out, sum_sq = linear_add(x, weight, residual)
+    _check_linear_add(out, sum_sq, x, weight, residual, None)
+    plain = linear(x, weight)
+    for bad in ((plain, (plain.double() ** 2).sum(1, keepdim=True).float().expand_as(sum_sq) / sum_sq.size(1)),
+                (out, sum_sq.roll(1, dims=0)), (out, torch.cat([sum_sq[:, 1:], sum_sq[:, :1] * 0], 1))):
+        with pytest.raises(AssertionError):
+            _check_linear_add(*bad, x, weight, residual, None)
+    # A norm fed the wrong pieces is off too.
+    norm_weight, gate_up = _inputs(5, 24, 40, torch.float32, silu=True, seed=3)[2:]
+    got, _ = norm_linear(out, norm_weight, gate_up, EPS, act="silu_and_mul", sum_sq=sum_sq.roll(1, dims=0))
+    with pytest.raises(AssertionError):
+        _check(got, out, out, norm_weight, gate_up, None, True)
+
+
+def test_linear_add_and_sum_sq_refuse_bad_input():
+    x, residual, norm_weight, weight = _inputs(4, 16, 32, torch.float32)
+    add = torch.randn(4, 16, device=DEV)
+    for error, call in [
+        (TypeError, lambda: linear_add(x, weight, add.half())),
+        (ValueError, lambda: linear_add(x, weight, add[:, :-1])),
+        (ValueError, lambda: linear_add(x, weight, add[0])),
+        (TypeError, lambda: linear_add(x, weight, add.tolist())),
+    ]:
+        with pytest.raises(error):
+            call()
+    sums = torch.ones(4, 2, device=DEV)
+    for error, kw in [
+        (TypeError, dict(sum_sq=sums.double())),
+        (ValueError, dict(sum_sq=sums[:-1])),
+        (ValueError, dict(sum_sq=sums[:, :0])),
+        (ValueError, dict(sum_sq=sums[0])),
+        (ValueError, dict(sum_sq=sums, residual=residual)),              # x is the whole stream then
+    ]:
+        with pytest.raises(error):
+            norm_linear(x, norm_weight, weight, EPS, **kw)
+
+
+# --------------------------------------------------------------------------------------------
 # The check can fail: planted bugs
 # --------------------------------------------------------------------------------------------
 
@@ -268,8 +358,10 @@ def test_fused_norm_linear_ops_equal_torch_ones(dtype):
         for x_in, r in ((x, residual), (x, None), (x_view, residual)):
             for op, w in (("norm_linear", qkv), ("norm_linear_silu_mul", gate_up)):
                 # The residual passed in is consumed (above small_batch, add_norm stores the sum in it).
-                want, want_stream = getattr(torch_ops, op)(x_in, None if r is None else r.clone(), norm_weight, w)
-                got, stream = getattr(fused_ops, op)(x_in, None if r is None else r.clone(), norm_weight, w)
+                want, want_stream = getattr(torch_ops, op)(ResidualStream(x_in, None if r is None else r.clone()),
+                                                           norm_weight, w)
+                got, stream = getattr(fused_ops, op)(ResidualStream(x_in, None if r is None else r.clone()),
+                                                     norm_weight, w)
                 torch.testing.assert_close(got, want, **tol)
                 assert torch.equal(stream, want_stream)
                 if r is None:
@@ -280,21 +372,42 @@ def test_fused_norm_linear_ops_equal_torch_ones(dtype):
     assert fused_ops.small_batch == 8
 
 
+def _copy(stream: ResidualStream) -> ResidualStream:
+    """A stream of copies (an operation may consume the one it is given)."""
+    return ResidualStream(*(None if t is None else t.clone() for t in stream))
+
+
 @pytest.mark.parametrize("dtype", dtype_params())
-def test_fused_plain_linear_op_equals_f_linear(dtype):
-    """``linear`` (o_proj and down_proj): the fused kernel at most ``small_batch`` rows, ``F.linear``
-    above (seen by counting the fused calls), the same numbers either way, views included."""
+def test_fused_linear_add_op_and_the_norm_after_it(dtype):
+    """``linear_add`` (o_proj and down_proj): at most ``small_batch`` rows the fused kernel adds
+    the residual and hands the next norm its sums of squares; above, ``F.linear`` with the add
+    left to the norm (seen by counting the fused calls). Either way the stream, and the
+    projection normalised from it, are the torch set's, views included."""
     torch_ops, fused_ops = _ops()
     fused_ops.small_batch = 4
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     calls = []
-    fused = fused_ops._norm_linear
-    fused_ops._norm_linear = lambda *a: calls.append(a[0].size(0)) or fused(*a)
+    fused = fused_ops._fused
+    fused_ops._fused = lambda *a, **k: calls.append((a[0].size(0), "add" in k)) or fused(*a, **k)
+    hidden, inter = CONFIG.hidden_size, CONFIG.intermediate_size
     for M in (1, 3, 4, 6):
-        x, _, _, w = _inputs(M, CONFIG.hidden_size, CONFIG.intermediate_size, dtype, seed=M)
+        x, _, _, w = _inputs(M, hidden, inter, dtype, seed=M)
+        residual, norm_weight, qkv = _inputs(M, 32, hidden, dtype, seed=M + 5)[1:]
         for x_in in (x, torch.zeros(M, 2 * x.size(1), dtype=dtype, device=DEV)[:, ::2].copy_(x)):
-            torch.testing.assert_close(fused_ops.linear(x_in, w), torch_ops.linear(x_in, w), **tol)
-    assert calls == [1, 1, 3, 3, 4, 4]
+            # The residual is consumed (above small_batch the norm kernel stores the sum in it): a copy each.
+            got, want = fused_ops.linear_add(x_in, w, residual.clone()), torch_ops.linear_add(x_in, w, residual.clone())
+            assert (got.sum_sq is not None) == (M <= 4) and want.sum_sq is None
+            if M <= 4:                       # the add done, and the pieces sum to the row's squares
+                assert got.residual is None and got.sum_sq.dtype == torch.float32
+                torch.testing.assert_close(got.hidden, want.hidden + want.residual, **tol)
+                torch.testing.assert_close(got.sum_sq.sum(1), got.hidden.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+            out_got, stream_got = fused_ops.norm_linear(_copy(got), norm_weight, qkv)
+            out_want, stream_want = torch_ops.norm_linear(_copy(want), norm_weight, qkv)
+            torch.testing.assert_close(stream_got, stream_want, **tol)
+            torch.testing.assert_close(out_got, out_want, **tol)
+            torch.testing.assert_close(fused_ops.norm(got, norm_weight), torch_ops.norm(want, norm_weight), **tol)
+    # Each fused linear_add then its norm_linear; M = 6 (over small_batch) takes cuBLAS.
+    assert calls == [(M, add) for M in (1, 1, 3, 3, 4, 4) for add in (True, False)]
 
 
 def test_fused_ops_take_the_configured_tiles(monkeypatch):
@@ -307,13 +420,13 @@ def test_fused_ops_take_the_configured_tiles(monkeypatch):
         seen.append((M, N, K, silu))
         return FusedLinearConfig(16, 16, 32)
     fused_ops.linear_config = choose
-    got = fused_ops.norm_linear_silu_mul(x, residual, norm_weight, w)
+    got = fused_ops.norm_linear_silu_mul(ResidualStream(x, residual), norm_weight, w)
     assert seen == [(3, 16, CONFIG.hidden_size, True)]
-    want = torch_ops.norm_linear_silu_mul(x, residual, norm_weight, w)
+    want = torch_ops.norm_linear_silu_mul(ResidualStream(x, residual), norm_weight, w)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     fused_ops.linear_config = FusedLinearConfig(16, 16, 16)
     assert fused_ops._linear_launchers and all(k[-1] != fused_ops.linear_config for k in fused_ops._linear_launchers)
-    fused_ops.norm_linear(x, residual, norm_weight, w)
+    fused_ops.norm_linear(ResidualStream(x, residual), norm_weight, w)
     assert any(k[-1] == FusedLinearConfig(16, 16, 16) for k in fused_ops._linear_launchers)
 
 
@@ -337,8 +450,11 @@ def test_model_fused_equals_unfused(dtype):
     for work in steps:
         want, got = (p.step(work) for p in pagers)
         torch.testing.assert_close(got, want, **tol)
-    # Both paths ran: the fused kernels (plain and SwiGLU, with and without a residual) and the norm.
-    assert {key[:2] for key in models[1].ops._linear_launchers} == {(False, False), (True, True), (True, False)}
+    # Every kind of fused launch ran: the first layer's norm from a pass over the embeddings, the
+    # later norms from a linear_add's sums of squares, linear_add itself; (has_norm, has_residual,
+    # sums of squares in, residual added) of each:
+    kinds = {(k[0], k[1], k[3] > 0, k[4]) for k in models[1].ops._linear_launchers}
+    assert kinds == {(True, False, False, False), (True, False, True, False), (False, False, False, True)}
 
 
 @pytest.mark.cuda

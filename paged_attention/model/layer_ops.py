@@ -1,35 +1,37 @@
-"""The operations a layer repeats besides its projections and attention, chosen once per model.
+"""The operations a layer repeats besides its attention, chosen once per model.
 
-A Llama layer (``model/llama.py``) is four projections, the attention, and three small
-operations in between:
+A Llama layer (``model/llama.py``) is two sub-layers, each a norm, then work, then a projection
+added back into the residual stream. The stream travels between them as a ``ResidualStream``:
+``hidden + residual``, where the add may still be owed (the next norm does it, in the same
+kernel), plus, when the kernel that wrote the stream already summed its squares, those sums.
+The operations:
 
-* ``add_norm(x, residual, weight)``: add ``x`` to the residual stream, then RMSNorm the sum
-  (``(normed, new residual)``); with no residual yet (the first layer), only the norm;
+* ``norm_linear(stream, norm_weight, weight)``: the stream (its add done) RMS-normalised, then
+  projected (the QKV projection); returns ``(out, stream tensor)``, the stream for the next add;
+* ``norm_linear_silu_mul(stream, norm_weight, gate_up_weight)``: the same with the gate-up
+  projection and SwiGLU's ``silu(gate) * up`` after it;
+* ``linear_add(x, weight, residual)``: a projection ending a sub-layer (o_proj, down_proj): the
+  new stream ``residual + F.linear(x, weight)``;
 * ``rope_and_cache(qkv, rope, kv_cache, slot_mapping)``: rotate the queries and keys of the fused
   QKV projection's output, and store each token's key and value in its cache slot; returns the
   queries, which the attention reads;
-* ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` on the fused gate-up output.
+* ``norm(stream, weight)``: the final norm;
 
-and three for the projections, which a small batch runs as one kernel each (``linear``, the
-plain projection: o_proj and down_proj), two of them joining a norm with the projection after it
-(the QKV and the gate-up projections):
-
-* ``norm_linear(x, residual, norm_weight, weight)``: ``add_norm`` then ``F.linear``
-  (``(out, new residual)``);
-* ``norm_linear_silu_mul(x, residual, norm_weight, gate_up_weight)``: ``add_norm``, the gate-up
-  projection and ``silu_and_mul`` (``(act, new residual)``).
-
-Like ``add_norm``'s, their ``residual`` argument is consumed: the new stream may be stored in it,
-or be a new tensor; a caller goes on with the one returned.
+and, as building blocks, ``add_norm(x, residual, weight)`` (``(rms_norm(x + residual), x +
+residual)``) and ``silu_and_mul(gate_up)``.
 
 Two sets: :class:`TorchLayerOps`, the torch lines of Hugging Face's Llama (six kernels for a norm,
-about ten for the rotary embedding, a cache write after it), and :class:`FusedLayerOps`, one Triton
-launch each (``kernels/triton/layer_ops.py``: the residual add with the norm, the rotary embedding
-with the cache write; ``kernels/triton/fused_linear.py``: for a small batch, the norm with the
-projection after it, and with SwiGLU too). The model picks one when it is built, so its forward
-pass is one loop with no per-call branching; the tests run both on the same inputs and compare.
+about ten for the rotary embedding, a cache write after it; the add left to the norm), and
+:class:`FusedLayerOps`, Triton launches (``kernels/triton/layer_ops.py``: the residual add with
+the norm, the rotary embedding with the cache write; ``kernels/triton/fused_linear.py``: for a
+small batch, each projection with what surrounds it: the norm in front, SwiGLU or the residual
+add behind, so that a layer is six launches: four projections, the rotary embedding, the
+attention). The model picks one when it is built, so its forward pass is one loop with no
+per-call branching; the tests run both on the same inputs and compare.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +79,20 @@ class RotaryEmbedding:
         return self.rotate(x, *self.angles(positions))
 
 
+class ResidualStream(NamedTuple):
+    """The residual stream between two sub-layers: ``hidden + residual`` (``residual`` None:
+    ``hidden`` is the whole stream). ``sum_sq``: float32 ``[tokens, pieces]``, the squares of the
+    stream's rows summed in pieces, when the kernel that wrote it had them in hand (the fused
+    ``linear_add``); the next norm adds them up instead of reading the stream twice."""
+    hidden: torch.Tensor
+    residual: torch.Tensor | None = None
+    sum_sq: torch.Tensor | None = None
+
+    def rows(self, index: torch.Tensor) -> "ResidualStream":
+        """The stream of the tokens ``index`` only (a prefill step samples each request's last)."""
+        return ResidualStream(*(None if t is None else t[index] for t in self))
+
+
 class TorchLayerOps:
     """The operations in plain torch (any device, any cache layout)."""
 
@@ -111,37 +127,44 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.add_norm(x, residual, norm_weight)
+    def norm_linear(self, stream: ResidualStream, norm_weight: torch.Tensor, weight: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.add_norm(stream.hidden, stream.residual, norm_weight)
         return F.linear(x, weight), residual
 
-    def norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                             gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.add_norm(x, residual, norm_weight)
+    def norm_linear_silu_mul(self, stream: ResidualStream, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.add_norm(stream.hidden, stream.residual, norm_weight)
         return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
+
+    @staticmethod
+    def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> ResidualStream:
+        # The add is left to the next norm (Hugging Face adds, then norms: the same arithmetic).
+        return ResidualStream(F.linear(x, weight), residual)
+
+    def norm(self, stream: ResidualStream, weight: torch.Tensor) -> torch.Tensor:
+        return self.add_norm(stream.hidden, stream.residual, weight)[0]
 
 
 class FusedLayerOps:
-    """The three operations as one Triton launch each (a GPU; the interpreter runs them on a CPU,
-    slowly, for the tests). The rotary embedding carries the cache write when the cache is in the
-    flash layout; the v0 layout's writer (``attention="cuda"``) follows an in-place rotation.
-    Launches go through ``Launcher``s made once: an eager step calls these 90 times.
+    """The operations as Triton launches (a GPU; the interpreter runs them on a CPU, slowly, for
+    the tests). The rotary embedding carries the cache write when the cache is in the flash
+    layout; the v0 layout's writer (``attention="cuda"``) follows an in-place rotation. Launches go
+    through ``Launcher``s made once: an eager step makes some two hundred.
 
-    ``norm_linear``, ``norm_linear_silu_mul`` and ``linear`` are one launch each for at most
-    ``small_batch`` token rows (a decode step of up to that many requests), where a GEMM library's
-    fixed cost dominates; above it, the norm kernel then ``F.linear`` (then ``silu_and_mul``).
-    Measured on an H100 (``benchmarks/bench_fused_linear.py``, bf16, SmolLM2-135M's projections,
-    inside a CUDA graph), the fused kernels take half cuBLAS's time at one to two rows and still
-    win at four; from eight rows on (the tensor-core tiles) cuBLAS wins: so the default is the
-    kernels' CUDA-core range, ``fused_linear.CUDA_CORE_ROWS`` (4). Their new
-    residual stream is a new tensor (``fused_linear``'s docstring says why). Their tiles are
-    ``fused_linear.default_config``'s unless ``linear_config`` is set (a ``FusedLinearConfig``,
+    Up to ``small_batch`` token rows (a decode step of up to that many requests), where a GEMM
+    library's fixed cost dominates, each projection is one ``fused_linear`` launch with its
+    neighbours fused in: the norm in front of QKV and gate-up (from the sums of squares the
+    previous ``linear_add`` handed over), SwiGLU behind gate-up, the residual add behind o_proj
+    and down. Above it: cuBLAS's projections, with the add and the norm in one kernel between
+    them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --layer``,
+    bf16, SmolLM2-135M, a layer's projections and norms in a CUDA graph, tiles from ``--sweep``):
+    the fused layer takes 0.59x the unfused one's time at one row, 0.83x at four, 0.93 to 0.96x
+    from 8 to 64, and is slower from 128 on; hence the default, ``SMALL_BATCH`` (64). The tiles
+    are ``fused_linear.default_config``'s unless ``linear_config`` is set (a ``FusedLinearConfig``,
     or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
+
+    SMALL_BATCH = 64
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -170,13 +193,12 @@ class FusedLayerOps:
         from paged_attention.kernels.triton import fused_linear
         self._fused_linear, self._eps = fused_linear, float(config.rms_norm_eps)
         self._linear_launchers: dict[tuple, Launcher] = {}
-        self.small_batch = fused_linear.CUDA_CORE_ROWS
+        self.small_batch = self.SMALL_BATCH
         self.linear_config = None
 
     @property
     def small_batch(self) -> int:
-        """The most token rows that take the fused projection kernels (``fused_linear.CUDA_CORE_ROWS`` by
-        default)."""
+        """The most token rows that take the fused projection kernels (``SMALL_BATCH`` by default)."""
         return self._small_batch
 
     @small_batch.setter
@@ -230,34 +252,47 @@ class FusedLayerOps:
             self._act((gate_up.size(0), self._act_cols), gate_up, out)
         return out
 
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.size(0) > self._small_batch:
-            x, residual = self._add_norm_any_strides(x, residual, norm_weight)
+    def norm_linear(self, stream: ResidualStream, norm_weight: torch.Tensor, weight: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if stream.hidden.size(0) > self._small_batch:
+            x, residual = self._add_norm_any_strides(stream, norm_weight)
             return F.linear(x, weight), residual
-        return self._norm_linear(x, residual, norm_weight, weight, False)
+        out, residual, _ = self._fused(stream.hidden, weight, stream.residual, norm_weight, stream.sum_sq)
+        return out, residual
 
-    def norm_linear_silu_mul(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                             gate_up_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.size(0) > self._small_batch:
-            x, residual = self._add_norm_any_strides(x, residual, norm_weight)
+    def norm_linear_silu_mul(self, stream: ResidualStream, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        if stream.hidden.size(0) > self._small_batch:
+            x, residual = self._add_norm_any_strides(stream, norm_weight)
             return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
-        return self._norm_linear(x, residual, norm_weight, gate_up_weight, True)
+        out, residual, _ = self._fused(stream.hidden, gate_up_weight, stream.residual, norm_weight, stream.sum_sq,
+                                       silu=True)
+        return out, residual
 
-    def _add_norm_any_strides(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+    def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> ResidualStream:
+        if x.size(0) > self._small_batch:
+            # cuBLAS's projection; the add is left to the next norm kernel, which does it too.
+            return ResidualStream(F.linear(x, weight), residual)
+        out, _, sum_sq = self._fused(x, weight, add=residual)
+        return ResidualStream(out, None, sum_sq)
+
+    def norm(self, stream: ResidualStream, weight: torch.Tensor) -> torch.Tensor:
+        return self._add_norm_any_strides(stream, weight)[0]
+
+    def _add_norm_any_strides(self, stream: ResidualStream, norm_weight: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
         # The norm kernel reads contiguous rows (what the model passes): copy a view first.
-        return self.add_norm(x.contiguous(), None if residual is None else residual.contiguous(),
+        residual = stream.residual
+        return self.add_norm(stream.hidden.contiguous(), None if residual is None else residual.contiguous(),
                              norm_weight.contiguous())
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.size(0) > self._small_batch:
-            return F.linear(x, weight)
-        return self._norm_linear(x, None, None, weight, False)[0]
-
-    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-                     weight: torch.Tensor, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        # norm_weight None: the projection alone (o_proj, down_proj), no norm in front.
+    def _fused(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None, sum_sq: torch.Tensor | None = None, *,
+               silu: bool = False, add: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One ``fused_linear`` launch: ``(out, stream, sum_sq pieces of out)``. A norm in front
+        (``norm_weight``; from ``sum_sq`` when given, else from a pass over ``x + residual``),
+        SwiGLU (``silu``) or the residual add (``add``) behind."""
         fl = self._fused_linear
         M, K = x.shape
         N = weight.size(0) // 2 if silu else weight.size(0)
@@ -267,30 +302,40 @@ class FusedLayerOps:
         elif not isinstance(config, fl.FusedLinearConfig):
             config = config(M, N, K, silu)
         has_norm = norm_weight is not None
-        if not (x.is_contiguous() and weight.is_contiguous() and (not has_norm or norm_weight.is_contiguous())
-                and (residual is None or residual.is_contiguous())):
+        tensors = [t for t in (x, weight, norm_weight, residual, sum_sq, add) if t is not None]
+        if not all(t.is_contiguous() for t in tensors):
             # Views the fixed strides below do not describe: the checked front-ends, which honour strides.
+            if add is not None:
+                out, sums = fl.linear_add(x, weight, add, config=config)
+                return out, x, sums
             act = "silu_and_mul" if silu else None
             if not has_norm:
-                return fl.linear(x, weight, act=act, config=config), x
-            return fl.norm_linear(x, norm_weight, weight, self._eps, residual, act=act, config=config)
-        key = (has_norm, residual is not None, silu, N, K, config)
+                return fl.linear(x, weight, act=act, config=config), x, None
+            return (*fl.norm_linear(x, norm_weight, weight, self._eps, residual, act=act, config=config,
+                                    sum_sq=sum_sq), None)
+        pieces = 0 if sum_sq is None else sum_sq.size(1)
+        key = (has_norm, residual is not None, silu, pieces, add is not None, N, K, config)
         launch = self._linear_launchers.get(key)
         if launch is None:
             launch = self._linear_launchers[key] = self._launcher(
                 fl._fused_linear_kernel, ("x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "out_ptr",
-                                          "stream_ptr", "M"),
-                N=N, K=K, eps=self._eps, stride_xm=K, stride_xk=1, stride_rm=K, stride_rk=1, stride_nw=1,
-                stride_wn=K, stride_wk=1, HAS_NORM=has_norm, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
+                                          "stream_ptr", "sum_sq_ptr", "add_ptr", "sums_out_ptr", "M"),
+                N=N, K=K, eps=self._eps, num_sums=max(1, pieces), stride_xm=K, stride_xk=1, stride_rm=K,
+                stride_rk=1, stride_nw=1, stride_wn=K, stride_wk=1, stride_sm=max(1, pieces), stride_sk=1,
+                stride_am=N, stride_an=1, HAS_NORM=has_norm, HAS_RESIDUAL=residual is not None,
+                SILU_AND_MUL=silu, NORM_FROM_SUMS=sum_sq is not None,
+                BLOCK_S=self._next_power_of_2(max(1, pieces)), ADD_RESIDUAL=add is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                 num_warps=config.num_warps, num_stages=config.num_stages)
         out = x.new_empty(M, N)
         stream = x if residual is None else x.new_empty(M, K)
+        col_tiles = -(-N // config.BLOCK_N)
+        sums_out = None if add is None else torch.empty(M, col_tiles, dtype=torch.float32, device=x.device)
         if M:
-            grid = (-(-N // config.BLOCK_N), -(-M // config.BLOCK_M))
-            launch(grid, x, x if residual is None else residual, norm_weight if has_norm else x, weight, out,
-                   stream, M)
-        return out, stream
+            launch((col_tiles, -(-M // config.BLOCK_M)), x, x if residual is None else residual,
+                   norm_weight if has_norm else x, weight, out, stream, out if sum_sq is None else sum_sq,
+                   x if add is None else add, out if sums_out is None else sums_out, M)
+        return out, stream, sums_out
 
 
 def can_fuse(config: LlamaConfig) -> bool:

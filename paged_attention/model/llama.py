@@ -32,7 +32,7 @@ from paged_attention.kernels import KernelUnavailable, args
 from paged_attention.model.attention import KVCache, PagedAttention, read_layout, resolve_attention, split_batch
 from paged_attention.model.batch import ForwardBatch
 from paged_attention.model.config import LlamaConfig
-from paged_attention.model.layer_ops import FusedLayerOps, TorchLayerOps, can_fuse
+from paged_attention.model.layer_ops import FusedLayerOps, ResidualStream, TorchLayerOps, can_fuse
 from paged_attention.model.layer_ops import RotaryEmbedding, rms_norm  # noqa: F401  (their old home)
 from paged_attention.model.weights import check_weights
 from paged_attention.utils import check_device
@@ -176,22 +176,20 @@ class LlamaForCausalLM:
             else:
                 read_layout(batch)   # checked once here; the prefill kernel then reads no host data
 
-        hidden, residual = self.embed_tokens[input_ids], None                # [T, hidden]
+        stream = ResidualStream(self.embed_tokens[input_ids])               # [T, hidden]
         rope = ops.rope_inputs(positions)                                    # once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            qkv, residual = ops.norm_linear(hidden, residual, layer["input_layernorm"], layer["qkv_proj"])
+            qkv, residual = ops.norm_linear(stream, layer["input_layernorm"], layer["qkv_proj"])
             q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
             o = self.attn.decode(q, kv_cache, batch) if batch.is_decode_only else \
                 self.attn.mixed(q, kv_cache, batch, split)
-            hidden = ops.linear(o.reshape(-1, cfg.q_size), layer["o_proj"])
-            act, residual = ops.norm_linear_silu_mul(hidden, residual, layer["post_attention_layernorm"],
-                                                     layer["gate_up_proj"])
-            hidden = ops.linear(act, layer["down_proj"])
+            stream = ops.linear_add(o.reshape(-1, cfg.q_size), layer["o_proj"], residual)
+            act, residual = ops.norm_linear_silu_mul(stream, layer["post_attention_layernorm"], layer["gate_up_proj"])
+            stream = ops.linear_add(act, layer["down_proj"], residual)
         if not batch.is_decode_only:
             # Only each request's last new token is sampled from: request i's is row query_start_loc[i+1] - 1.
-            last = batch.query_start_loc[1:].long() - 1
-            hidden, residual = hidden[last], residual[last]
-        return ops.add_norm(hidden, residual, self.norm)[0]
+            stream = stream.rows(batch.query_start_loc[1:].long() - 1)
+        return ops.norm(stream, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final hidden states: the output projection (tied to the embedding in SmolLM2)."""

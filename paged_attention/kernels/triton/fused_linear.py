@@ -11,8 +11,16 @@ work between two projections becomes one kernel:
 * ``act="silu_and_mul"``: the gate/up projection with SwiGLU as its epilogue: each program
   computes the gate and the up columns of the same indices and writes only ``silu(gate) * up``,
   so the ``[tokens, 2 * intermediate]`` product never goes to memory;
-* ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM (for o_proj and
-  down_proj, where it beats cuBLAS, if it does: ``benchmarks/bench_fused_linear.py`` measures).
+* ``linear_add(x, weight, residual)``: a projection that ends a sub-layer (o_proj, down_proj)
+  with the residual add as its epilogue. Each program also sums the squares of the stream it
+  stores over its own columns and stores that piece: the next ``norm_linear(sum_sq=...)`` adds a
+  row's pieces (a handful of floats) instead of reading the row twice, so no norm launch is left
+  between two projections, and a decode layer is six launches (four projections, the rotary
+  embedding with the cache write, the attention) instead of nine;
+* ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM.
+
+``benchmarks/bench_fused_linear.py`` measures each against the unfused operations (norm kernel,
+cuBLAS, SwiGLU kernel), and a whole layer both ways (``--layer``).
 
 What makes it fast at a few rows is reading everything once, in one go, on many programs:
 
@@ -111,13 +119,19 @@ def _mma(a, w, acc, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])     # one compiled kernel for every token count
 def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
-                         M, N, K, eps,
+                         sum_sq_ptr, add_ptr, sums_out_ptr,
+                         M, N, K, eps, num_sums,
                          stride_xm, stride_xk, stride_rm, stride_rk, stride_nw, stride_wn, stride_wk,
+                         stride_sm, stride_sk, stride_am, stride_an,
                          HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+                         NORM_FROM_SUMS: tl.constexpr, BLOCK_S: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (column tile, row tile): output columns rn of rows rm. out is [M, N] contiguous;
     # weight row n holds output column n's K coefficients (F.linear's [N, K]); with SwiGLU, weight
-    # is [2N, K]: the gate's row n, then the up projection's row N + n.
+    # is [2N, K]: the gate's row n, then the up projection's row N + n. NORM_FROM_SUMS: the rows'
+    # sums of squares come in pieces (sum_sq [M, num_sums], a linear_add's), not from a first pass
+    # over x. ADD_RESIDUAL: the output is the projection plus add_ptr's [M, N], and each program
+    # stores its rows' sums of squares over its columns (sums_out [M, column tiles], contiguous).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,7 +152,15 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
     a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
                      HAS_RESIDUAL)
 
-    if HAS_NORM:
+    if HAS_NORM and NORM_FROM_SUMS:
+        # The stream is x itself, and its rows' sums of squares were summed in pieces by the kernel
+        # that wrote it: add the pieces up, no pass over x.
+        s = tl.arange(0, BLOCK_S)
+        pieces = tl.load(sum_sq_ptr + rows[:, None] * stride_sm + s[None, :] * stride_sk,
+                         mask=m_mask[:, None] & (s < num_sums)[None, :], other=0.0)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(pieces, axis=1) / K + eps)
+        a = _normalise(a, inv_rms, norm_w)
+    elif HAS_NORM:
         # Each row's sum of squares; the programs of the first column tile also store the stream
         # (x + residual) into the new stream tensor, [M, K] contiguous.
         store_rows = m_mask & (tl.zeros([BLOCK_M], dtype=tl.int32) + pid_n == 0)
@@ -187,7 +209,16 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
         result = (act * up).to(dtype)
     else:
         result = acc.to(dtype)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], result, mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_RESIDUAL:
+        # As the unfused path: the projection rounded to the dtype, then the residual added (in
+        # float32, rounded once, as torch's add). The squares of what is stored, summed over this
+        # program's columns (zeros outside), are the next norm's pieces.
+        r = tl.load(add_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an, mask=out_mask, other=0.0)
+        result = (result.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        rf = result.to(tl.float32)
+        tl.store(sums_out_ptr + rows * tl.num_programs(0) + pid_n, tl.sum(rf * rf, axis=1), mask=m_mask)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], result, mask=out_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,11 +240,58 @@ class FusedLinearConfig(NamedTuple):
 CUDA_CORE_ROWS = 4
 """Up to this many rows, ``default_config``'s rule takes the CUDA-core product (``_mma``)."""
 
-TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {}
+TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
+    (960, 576, False): {
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
+        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        256: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    },
+    (1536, 576, True): {
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
+        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        256: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    },
+    (576, 576, False): {
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        256: FusedLinearConfig(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+    },
+    (576, 1536, False): {
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
+        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        256: FusedLinearConfig(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+    },
+}
 """Measured best tiles, ``{(N, K, silu_and_mul): {M: config}}``, for the shapes a model runs:
-``benchmarks/bench_fused_linear.py --sweep`` prints this table for SmolLM2-135M's projections on
-the GPU it runs on. ``default_config`` takes the entry of the smallest measured M at or above
-the token count; shapes and token counts not in it get the rule."""
+SmolLM2-135M's four projections as the model calls them (QKV and gate-up normalising a stream
+from a ``linear_add``'s sums of squares; o_proj and down as ``linear_add``), measured by
+``benchmarks/bench_fused_linear.py --sweep`` on an NVIDIA H200 (bf16, in CUDA graphs).
+``default_config`` takes the entry of the smallest measured M at or above the token count;
+shapes and token counts not in it get the rule."""
 
 
 def default_config(M: int, N: int, K: int, silu_and_mul: bool = False) -> FusedLinearConfig:
@@ -307,27 +385,48 @@ def _check(x: object, weight: object, norm_weight: object, residual: object, act
     return M, N, K
 
 
-def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K):
+def _check_sum_sq(sum_sq: object, x: torch.Tensor, residual: object) -> None:
+    """A ``linear_add``'s pieces of the stream's sums of squares: float32 ``[M, pieces]``, on x's device."""
+    if residual is not None:
+        raise ValueError("with sum_sq, x is the whole stream: pass no residual")
+    args.tensor("sum_sq", sum_sq, ndim=2, dtypes=(torch.float32,))
+    args.same_device(x=x, sum_sq=sum_sq)
+    if sum_sq.size(0) != x.size(0) or sum_sq.size(1) < 1:
+        raise ValueError(f"sum_sq must be [M={x.size(0)}, pieces >= 1] (a linear_add's), got {list(sum_sq.shape)}")
+
+
+def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=None, add=None):
     silu = act == "silu_and_mul"
     config = _check_config(config if config is not None else default_config(M, N, K, silu))
     out = x.new_empty(M, N)
     stream = x.new_empty(M, K) if residual is not None else x
+    sums_out = torch.empty(M, triton.cdiv(N, config.BLOCK_N), dtype=torch.float32, device=x.device) \
+        if add is not None else None
     if M and N:
         r = residual if residual is not None else x
         nw = norm_weight if norm_weight is not None else x
+        sq = sum_sq if sum_sq is not None else out
+        ad = add if add is not None else x
         grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, config.BLOCK_M))
         _fused_linear_kernel[grid](
-            x, r, nw, weight, out, stream, M, N, K, float(eps),
+            x, r, nw, weight, out, stream, sq, ad, sums_out if sums_out is not None else out,
+            M, N, K, float(eps), sum_sq.size(1) if sum_sq is not None else 1,
             x.stride(0), x.stride(1), r.stride(0), r.stride(1), nw.stride(0), weight.stride(0), weight.stride(1),
+            sq.stride(0), sq.stride(1), ad.stride(0), ad.stride(1),
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
+            NORM_FROM_SUMS=sum_sq is not None,
+            BLOCK_S=next_power_of_2(sum_sq.size(1)) if sum_sq is not None else 1, ADD_RESIDUAL=add is not None,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
             num_warps=config.num_warps, num_stages=config.num_stages)
-    return out, stream
+    elif sums_out is not None:
+        sums_out.zero_()                        # no columns: every row's sum is 0
+    return out, stream, sums_out
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None, *, act: str | None = None,
-                config: FusedLinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                config: FusedLinearConfig | None = None, sum_sq: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(x + residual) * norm_weight, weight), x + residual)`` in one launch.
 
     ``x``, ``residual``: ``[M, K]``; ``norm_weight``: ``[K]``; ``weight``: ``[N, K]`` (F.linear's),
@@ -336,11 +435,17 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor
     new stream are new contiguous tensors; ``residual`` is left as it was (see the module
     docstring). Without ``residual`` (a model's first layer) only the norm, and the stream
     returned is ``x`` itself. ``config``: tile sizes, ``default_config(M, N, K)`` if None.
+
+    ``sum_sq``: ``x``'s rows' sums of squares in pieces (float32 ``[M, pieces]``, what
+    ``linear_add`` returns with the stream it wrote): the norm adds the pieces up instead of
+    reading ``x`` twice (no ``residual`` then: ``x`` is the whole stream).
     """
     M, N, K = _check(x, weight, norm_weight, residual, act)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-    return _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K)
+    if sum_sq is not None:
+        _check_sum_sq(sum_sq, x, residual)
+    return _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=sum_sq)[:2]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
@@ -352,4 +457,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
     return _launch(x, weight, None, None, 0.0, act, config, M, N, K)[0]
 
 
-__all__ = ["FusedLinearConfig", "TUNED", "default_config", "norm_linear", "linear"]
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+               config: FusedLinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(x, weight) + residual, sum_sq)`` in one launch: a projection that ends a
+    sub-layer (o_proj, down_proj) with the residual add as its epilogue.
+
+    ``x`` ``[M, K]``, ``weight`` ``[N, K]``, ``residual`` ``[M, N]``: one dtype, any strides. The
+    sum is the new residual stream (a new contiguous tensor), rounded as torch rounds
+    ``residual + F.linear(x, weight)``. ``sum_sq`` (float32 ``[M, cdiv(N, BLOCK_N)]``): each row's
+    squares of that stream summed over each program's columns, which the next ``norm_linear``
+    takes as ``sum_sq=`` and adds up, so the norm costs no launch and no second pass over the
+    stream. The pieces are stored, not added atomically, so the result does not depend on the
+    order in which programs finish.
+    """
+    M, N, K = _check(x, weight, None, None, None)
+    args.tensor("residual", residual, ndim=2)
+    args.same_device(x=x, residual=residual)
+    if residual.dtype != x.dtype:
+        raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+    args.shape("residual", residual, (M, N))
+    out, _, sums = _launch(x, weight, None, None, 0.0, None, config, M, N, K, add=residual)
+    return out, sums
+
+
+__all__ = ["FusedLinearConfig", "TUNED", "default_config", "norm_linear", "linear", "linear_add"]
