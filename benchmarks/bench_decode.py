@@ -19,6 +19,8 @@ import paged_attention  # noqa: F401  (device policy first)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune launch shapes and split counts")
+    parser.add_argument("--smollm", action="store_true",
+                        help="with --sweep: SmolLM2-135M's attention at the engine benchmark's batch sizes")
     parser.add_argument("--cuda", action="store_true", help="CUDA v1/v2 against Triton (v0 layout)")
     parser.add_argument("--calls", action="store_true",
                         help="eager / graph / host time per call: ours, vLLM's FA3 and vLLM's Triton kernel")
@@ -27,7 +29,9 @@ def main() -> int:
         print("this benchmark needs an NVIDIA GPU (on a CPU the Triton interpreter says nothing about speed)")
         return 1
     from paged_attention.bench import decode
-    if opts.sweep:
+    if opts.sweep and opts.smollm:
+        decode.sweep(decode.SMOLLM2_SHAPES, model=decode.SMOLLM2_MODEL)
+    elif opts.sweep:
         decode.sweep()
     elif opts.calls:
         decode.calls_table()

@@ -105,16 +105,25 @@ def decode_table(shapes=DECODE_SHAPES, *, identity: bool = True, print_fn=print)
 # Shapes whose KV reads range from ~1x to ~5x the size of an H100/H200's L2 (50 MB).
 
 
-def sweep(shapes=DECODE_SHAPES, print_fn=print) -> None:
+# The engine's decode steps: SmolLM2-135M's attention (9 query heads over 3 KV heads, head size
+# 64, block size 16, bf16) at the batch sizes of bench_engine, 128-token prompts plus half of the
+# 128 new tokens.
+SMOLLM2_MODEL = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16, dtype=torch.bfloat16)
+SMOLLM2_SHAPES = ((16, 192), (64, 192), (256, 192))
+
+
+def sweep(shapes=DECODE_SHAPES, print_fn=print, model=MODEL) -> None:
     """Try launch shapes and split counts per shape; print the best few of each (for tuning)."""
     warm_up()
     copy_bw = copy_bandwidth()
     print_fn(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     launches = [(64, 2, 3), (64, 4, 3), (64, 4, 2), (32, 2, 2), (32, 2, 3), (32, 4, 2), (128, 4, 2), (128, 8, 3)]
+    if max(context for _, context in shapes) <= 1024:       # short contexts: short loops, small tiles too
+        launches += [(16, 1, 2), (16, 2, 2), (32, 1, 2), (64, 2, 2), (64, 4, 1)]
     for batch, context in shapes:
-        p = make_decode_problem([context] * batch, device="cuda", **MODEL)
-        auto = choose_num_splits(batch, 8, context, torch.device("cuda"))
-        split_options = sorted({auto, max(1, auto // 2), auto * 2, auto * 4 if auto > 1 else 1})
+        p = make_decode_problem([context] * batch, device="cuda", **model)
+        auto = choose_num_splits(batch, model["num_kv_heads"], context, torch.device("cuda"))
+        split_options = sorted({auto, max(1, auto // 2), auto * 2, auto * 4})
         results = []
         for launch in launches:
             for splits in split_options:

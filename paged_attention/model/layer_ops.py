@@ -158,13 +158,13 @@ class FusedLayerOps:
     previous ``linear_add`` handed over), SwiGLU behind gate-up, the residual add behind o_proj
     and down. Above it: cuBLAS's projections, with the add and the norm in one kernel between
     them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --layer``,
-    bf16, SmolLM2-135M, a layer's projections and norms in a CUDA graph, tiles from ``--sweep``):
-    the fused layer takes 0.59x the unfused one's time at one row, 0.83x at four, 0.93 to 0.96x
-    from 8 to 64, and is slower from 128 on; hence the default, ``SMALL_BATCH`` (64). The tiles
-    are ``fused_linear.default_config``'s unless ``linear_config`` is set (a ``FusedLinearConfig``,
-    or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
-
-    SMALL_BATCH = 64
+    bf16, SmolLM2-135M's 30 layers, each with its own weights as in the model, their projections
+    and norms in a CUDA graph): the fused layer takes 0.59x the unfused one's time at one row,
+    0.62x at two, 0.80x at four, as long at eight, and longer from 16 rows on, where cuBLAS's
+    tensor-core kernels read the weights better than these tiles do. Hence the default:
+    ``fused_linear.CUDA_CORE_ROWS`` (4), the rows where the kernels multiply on
+    the CUDA cores. The tiles are ``fused_linear.default_config``'s unless ``linear_config`` is
+    set (a ``FusedLinearConfig``, or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -193,12 +193,13 @@ class FusedLayerOps:
         from paged_attention.kernels.triton import fused_linear
         self._fused_linear, self._eps = fused_linear, float(config.rms_norm_eps)
         self._linear_launchers: dict[tuple, Launcher] = {}
-        self.small_batch = self.SMALL_BATCH
+        self.small_batch = fused_linear.CUDA_CORE_ROWS
         self.linear_config = None
 
     @property
     def small_batch(self) -> int:
-        """The most token rows that take the fused projection kernels (``SMALL_BATCH`` by default)."""
+        """The most token rows that take the fused projection kernels (``fused_linear.CUDA_CORE_ROWS`` by
+        default)."""
         return self._small_batch
 
     @small_batch.setter
@@ -324,7 +325,7 @@ class FusedLayerOps:
                 stride_rk=1, stride_nw=1, stride_wn=K, stride_wk=1, stride_sm=max(1, pieces), stride_sk=1,
                 stride_am=N, stride_an=1, HAS_NORM=has_norm, HAS_RESIDUAL=residual is not None,
                 SILU_AND_MUL=silu, NORM_FROM_SUMS=sum_sq is not None,
-                BLOCK_S=self._next_power_of_2(max(1, pieces)), ADD_RESIDUAL=add is not None,
+                BLOCK_S=fl._pieces_block(max(1, pieces)), ADD_RESIDUAL=add is not None,
                 BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
                 num_warps=config.num_warps, num_stages=config.num_stages)
         out = x.new_empty(M, N)

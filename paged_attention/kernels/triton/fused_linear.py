@@ -242,26 +242,24 @@ CUDA_CORE_ROWS = 4
 
 TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
     (960, 576, False): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1),
-        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
-        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        256: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (1536, 576, True): {
         1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
-        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),
-        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=3),
-        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
         128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-        256: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (576, 576, False): {
         1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
@@ -271,25 +269,24 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-        256: FusedLinearConfig(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
     },
     (576, 1536, False): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=1),
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
-        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
+        16: FusedLinearConfig(BLOCK_M=8, BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=2),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-        128: FusedLinearConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-        256: FusedLinearConfig(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
     },
 }
 """Measured best tiles, ``{(N, K, silu_and_mul): {M: config}}``, for the shapes a model runs:
 SmolLM2-135M's four projections as the model calls them (QKV and gate-up normalising a stream
 from a ``linear_add``'s sums of squares; o_proj and down as ``linear_add``), measured by
-``benchmarks/bench_fused_linear.py --sweep`` on an NVIDIA H200 (bf16, in CUDA graphs).
+``benchmarks/bench_fused_linear.py --sweep`` on an NVIDIA H200 (bf16, in CUDA graphs, each call
+reading its own layer's weights from memory, as in a model's step).
 ``default_config`` takes the entry of the smallest measured M at or above the token count;
 shapes and token counts not in it get the rule."""
 
@@ -395,6 +392,12 @@ def _check_sum_sq(sum_sq: object, x: torch.Tensor, residual: object) -> None:
         raise ValueError(f"sum_sq must be [M={x.size(0)}, pieces >= 1] (a linear_add's), got {list(sum_sq.shape)}")
 
 
+def _pieces_block(pieces: int) -> int:
+    """The tile that loads a row's sums-of-squares pieces: a power of two, at least 2 (Triton 3.6's
+    interpreter cannot reduce a tile of one)."""
+    return max(2, next_power_of_2(pieces))
+
+
 def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=None, add=None):
     silu = act == "silu_and_mul"
     config = _check_config(config if config is not None else default_config(M, N, K, silu))
@@ -415,7 +418,7 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
             sq.stride(0), sq.stride(1), ad.stride(0), ad.stride(1),
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
             NORM_FROM_SUMS=sum_sq is not None,
-            BLOCK_S=next_power_of_2(sum_sq.size(1)) if sum_sq is not None else 1, ADD_RESIDUAL=add is not None,
+            BLOCK_S=_pieces_block(sum_sq.size(1) if sum_sq is not None else 1), ADD_RESIDUAL=add is not None,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
             num_warps=config.num_warps, num_stages=config.num_stages)
     elif sums_out is not None:
