@@ -115,10 +115,15 @@ def host_profile(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
     return f"  cProfile over {steps} steps of {n} requests (own time, then cumulative):\n" + s.getvalue()
 
 
-def step_table(llm: LLM, first: int) -> str:
-    """The steps that were not decode-only (prefills, mixed steps) of the last run."""
-    out = []
-    for s in llm.engine.step_stats[first:]:
+def step_table(llm: LLM, first: int, seconds: float) -> str:
+    """Where the run's wall time went: the steps' own times against it, the slowest decode steps,
+    and every step that was not decode-only (prefills, mixed steps)."""
+    steps = llm.engine.step_stats[first:]
+    decodes = sorted((s for s in steps if s.decode_only), key=lambda s: -s.total)
+    out = [f"    {len(steps)} steps take {1e3 * sum(s.total for s in steps):.1f} of the run's {1e3 * seconds:.1f} ms; "
+           f"slowest decode steps (ms): " + ", ".join(f"{s.step}: {1e3 * s.total:.2f} (wait {1e3 * s.wait:.2f})"
+                                                    for s in decodes[:4])]
+    for s in steps:
         if s.decode_only:
             continue
         busy = s.gpu_events[0].elapsed_time(s.gpu_events[1]) if s.gpu_events else float("nan")
@@ -169,7 +174,7 @@ def main() -> int:
                 f"sample {e['sample_ms']:.3f} wait {e['wait_ms']:.3f} update {e['update_ms']:.3f}); "
                 f"GPU busy {e.get('gpu_busy_ms', float('nan')):.3f} ms, idle {100 * e.get('gpu_idle_share', 0):.1f}%; "
                 f"{e['seconds'] * 1e3:.1f} ms in all, {e['steps']} steps")
-        line += "\n" + step_table(llm, first)
+        line += "\n" + step_table(llm, first, e["seconds"])
         print(line, flush=True)
         lines.append(line)
         if opts.prefill:
