@@ -30,6 +30,7 @@ from paged_attention.v1.core.single_type_kv_cache_manager import FullAttentionMa
 # A request in one of these states is being admitted: the watermark applies to it.
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _NOT_TAKEN = object()   # a fast path's "not my case" (None already means "no room")
+_ZERO = 0               # compared by identity in allocate_slots' first test
 
 
 def _check_counts(**counts: object) -> None:
@@ -223,23 +224,26 @@ class KVCacheManager:
         None), so they can be reused at once; then the count; then hit blocks, new blocks, and
         the caching of the blocks this step fills (``delay_cache_blocks``: not yet).
         """
-        # The scheduler calls this once per scheduled request and step, almost always with two
-        # plain ints and the three rarer counts at 0: that call is recognised in one test.
+        # The scheduler calls this once per running request and step with a positive int of
+        # new tokens and every other count left at 0: that call is recognised first, the zeros
+        # by identity with the int 0 (CPython has one such object; a zero that is another
+        # object, or not an int, just takes the general path, which checks it). The flag is
+        # tested here too, so that models the fast path never fits pay no extra call.
+        if (new_computed_blocks is None and type(num_new_tokens) is int and num_new_tokens > 0
+                and num_new_computed_tokens is num_lookahead_tokens
+                is num_external_computed_tokens is reserved_blocks is _ZERO
+                and not num_encoder_tokens and not full_sequence_must_fit
+                and self._running_fast_path is not False):
+            fast = self._allocate_running_full_attention(request, num_new_tokens,
+                                                         delay_cache_blocks, has_scheduled_reqs)
+            if fast is not _NOT_TAKEN:
+                return fast
         # Anything else has each count checked, and the wrong one named.
         plain = (type(num_new_tokens) is type(num_new_computed_tokens) is int
                  and num_new_tokens >= 0 and num_new_computed_tokens >= 0
                  and type(num_lookahead_tokens) is type(num_external_computed_tokens)
                  is type(reserved_blocks) is int
                  and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0)
-        # (The flag is tested here too, so that models it never fits pay no extra call.)
-        if plain and self._running_fast_path is not False and num_new_tokens > 0 \
-                and num_new_computed_tokens == 0 \
-                and new_computed_blocks is None and not full_sequence_must_fit \
-                and not num_encoder_tokens:
-            fast = self._allocate_running_full_attention(request, num_new_tokens,
-                                                         delay_cache_blocks, has_scheduled_reqs)
-            if fast is not _NOT_TAKEN:
-                return fast
         if not plain:
             _check_counts(num_new_tokens=num_new_tokens,
                           num_new_computed_tokens=num_new_computed_tokens,

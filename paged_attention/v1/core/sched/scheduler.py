@@ -301,25 +301,29 @@ class Scheduler:
         back of the list when blocks run out."""
         manager = self.kv_cache_manager
         running = self.running
+        # This loop runs once per running request and step: what it reads of the scheduler,
+        # the step and the manager is looked up once, and each request's counts once.
+        allocate_slots, max_model_len = manager.allocate_slots, self.max_model_len
+        threshold = step.long_prefill_threshold
         req_index = 0
         while req_index < len(running) and step.token_budget > 0:
             request = running[req_index]
-            if (request.num_output_placeholders > 0
-                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+            num_placeholders = request.num_output_placeholders
+            num_computed = request.num_computed_tokens
+            if (num_placeholders > 0 and num_computed + 2 - num_placeholders
                     >= request.num_prompt_tokens + request.max_tokens):
                 # Async scheduling: the step in flight already produces its last token.
                 req_index += 1
                 continue
 
-            num_new_tokens = (len(request._all_token_ids) + request.num_output_placeholders
-                              - request.num_computed_tokens)
-            if 0 < step.long_prefill_threshold < num_new_tokens:
-                num_new_tokens = step.long_prefill_threshold
+            num_new_tokens = len(request._all_token_ids) + num_placeholders - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
             # At most the budget left, and room in the context for the token this step samples
             # (conditionals rather than min(): this runs per request and step).
             if num_new_tokens > step.token_budget:
                 num_new_tokens = step.token_budget
-            room = self.max_model_len - request.num_computed_tokens - 1
+            room = max_model_len - num_computed - 1
             if num_new_tokens > room:
                 num_new_tokens = room
             if num_new_tokens <= 0:
@@ -329,7 +333,7 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = manager.allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt someone, and try again with what that freed.
