@@ -463,6 +463,7 @@ class Scheduler:
         stale (delivered, but it does not move the request's counters).
         """
         self.kv_cache_manager.free(request)
+        request.num_cache_checked_blocks = 0    # its blocks are gone, cached or not
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.drop_stale_output = drop_stale_output or (
@@ -527,7 +528,7 @@ class Scheduler:
 
         # This loop runs once per request and step: attributes are read once into locals.
         get_request, max_model_len = self.requests.get, self.max_model_len
-        cache_blocks = self.kv_cache_manager.cache_blocks
+        cache_blocks, hash_block_size = self.kv_cache_manager.cache_blocks, self.hash_block_size
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = get_request(req_id)
             if request is None:
@@ -560,8 +561,18 @@ class Scheduler:
                 if (not output_is_stale and status_before_stop == _RUNNING
                         and had_placeholders):
                     # Async scheduling: blocks filled by tokens only now known can be cached.
-                    cache_blocks(request,
-                                 request.num_computed_tokens - request.num_in_flight_tokens)
+                    # What caching up to n tokens does depends only on how many whole hash
+                    # blocks are both computed and hashed; a block fills once per hash block
+                    # of tokens, so most steps this count has not moved since the last call
+                    # (which cached them) and the call is skipped.
+                    num_computed = request.num_computed_tokens - request.num_in_flight_tokens
+                    num_blocks = num_computed // hash_block_size
+                    num_hashed = len(request.block_hashes)
+                    if num_hashed < num_blocks:
+                        num_blocks = num_hashed
+                    if num_blocks != request.num_cache_checked_blocks:
+                        cache_blocks(request, num_computed)
+                        request.num_cache_checked_blocks = num_blocks
 
             finish_reason = None
             if stopped:
