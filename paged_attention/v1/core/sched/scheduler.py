@@ -561,18 +561,18 @@ class Scheduler:
                 if (not output_is_stale and status_before_stop == _RUNNING
                         and had_placeholders):
                     # Async scheduling: blocks filled by tokens only now known can be cached.
-                    # What caching up to n tokens does depends only on how many whole hash
-                    # blocks are both computed and hashed; a block fills once per hash block
-                    # of tokens, so most steps this count has not moved since the last call
-                    # (which cached them) and the call is skipped.
+                    # While the computed tokens are all hashed (tokens are known before they
+                    # are computed), what caching them does depends only on how many whole
+                    # hash blocks they fill: that moves once per hash block of tokens, and in
+                    # the other steps the call (made before, with the blocks still held) is
+                    # skipped.
                     num_computed = request.num_computed_tokens - request.num_in_flight_tokens
                     num_blocks = num_computed // hash_block_size
                     num_hashed = len(request.block_hashes)
-                    if num_hashed < num_blocks:
-                        num_blocks = num_hashed
-                    if num_blocks != request.num_cache_checked_blocks:
+                    if (num_blocks != request.num_cache_checked_blocks
+                            or num_blocks > num_hashed):
                         cache_blocks(request, num_computed)
-                        request.num_cache_checked_blocks = num_blocks
+                        request.num_cache_checked_blocks = min(num_blocks, num_hashed)
 
             finish_reason = None
             if stopped:
