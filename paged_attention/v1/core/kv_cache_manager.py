@@ -329,7 +329,7 @@ class KVCacheManager:
                                 else max_model_len)
         # Tokens whose block hashes exist: a group has blocks to cache only if it has cached
         # fewer than these (in a decode step, once per block_size steps).
-        num_hashed_tokens = len(request.block_hashes) * coordinator.block_pool.hash_block_size
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
         needed = 0
         blocks_to_cache = False
         for m in coordinator.single_type_managers:
