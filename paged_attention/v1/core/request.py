@@ -172,8 +172,8 @@ class Request:
         self.num_preemptions = 0
         # Hybrid models: a shared prefix to keep cached in every group (0: none).
         self.shared_prefix_boundary = 0
-        # Async scheduling: whole hash blocks both computed and hashed when the scheduler last
-        # had them cached after an output (0 again once the request loses its blocks).
+        # Async scheduling: the whole hash blocks of computed tokens the scheduler last asked
+        # the KV-cache manager to cache after an output (0 again once it loses its blocks).
         self.num_cache_checked_blocks = 0
         self.skip_reading_prefix_cache = bool(
             getattr(sampling_params, "skip_reading_prefix_cache", False) or False)

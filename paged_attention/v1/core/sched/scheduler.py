@@ -562,10 +562,10 @@ class Scheduler:
                         and had_placeholders):
                     # Async scheduling: blocks filled by tokens only now known can be cached.
                     # While the computed tokens are all hashed (tokens are known before they
-                    # are computed), what caching them does depends only on how many whole
-                    # hash blocks they fill: that moves once per hash block of tokens, and in
-                    # the other steps the call (made before, with the blocks still held) is
-                    # skipped.
+                    # are computed), what that caches depends only on how many whole hash
+                    # blocks they fill. The manager is asked when that count moves (once per
+                    # hash block of tokens), not again for the same count while the request
+                    # keeps its blocks (a preemption starts the count again).
                     num_computed = request.num_computed_tokens - request.num_in_flight_tokens
                     num_blocks = num_computed // hash_block_size
                     num_hashed = len(request.block_hashes)
