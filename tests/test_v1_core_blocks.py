@@ -108,6 +108,18 @@ def test_extra_keys_separate_salts_and_adapters():
     assert len({plain.block_hashes[1], salted.block_hashes[1], lora.block_hashes[1]}) == 3
 
 
+def test_a_block_is_hashed_by_the_token_that_fills_it():
+    """Appending one token at a time, a block's hash appears with its last token, not later
+    (the request calls the hasher only when a block may have filled)."""
+    r = Request("a", [1, 2, 3], PARAMS, None, block_hasher=get_request_block_hasher(4, ku.sha256))
+    for token in range(4, 14):
+        r.append_output_token_ids(token)
+        assert len(r.block_hashes) == r.num_tokens // 4, r.num_tokens
+    none = Request("b", [1, 2, 3, 4], PARAMS, None)
+    none.append_output_token_ids(5)
+    assert none.block_hashes == []
+
+
 @pytest.mark.parametrize("first", [1, 3, 4, 9])
 def test_hashes_do_not_depend_on_how_the_tokens_arrive(first):
     """A salted LoRA request's hashes, its tokens given at once or in pieces of any size, are

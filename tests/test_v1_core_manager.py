@@ -127,6 +127,8 @@ def test_bad_arguments_are_typed_errors_and_change_nothing():
                    {"num_new_tokens": 1, "num_lookahead_tokens": 0.0},
                    {"num_new_tokens": 1, "num_external_computed_tokens": False},
                    {"num_new_tokens": 1, "num_new_computed_tokens": -4},
+                   {"num_new_tokens": 1, "num_new_computed_tokens": False},
+                   {"num_new_tokens": 1, "reserved_blocks": 0.0},
                    {"num_new_tokens": 0}):
         with pytest.raises(ValueError):
             m.allocate_slots(a, **kwargs)

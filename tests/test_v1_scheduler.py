@@ -305,6 +305,36 @@ def test_async_scheduler_plans_one_step_ahead_with_placeholders():
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 19
 
 
+def test_async_output_caches_the_blocks_its_tokens_fill():
+    # Under async scheduling a block's last token is known only when its step's output comes
+    # back. After every update, each block both computed and hashed must be cached, also in
+    # the update that finishes the request (its blocks are freed cached, to the back of the
+    # free queue) and in the steps where no block fills (the update skips the manager then).
+    # Every prompt length and max_tokens modulo the block size is tried.
+    s = scheduler(cls=AsyncScheduler, max_num_seqs=16)
+    for p in range(1, BLOCK + 1):
+        for m in range(BLOCK + 1, 2 * BLOCK + 1):
+            s.add_request(request(f"{p}-{m}", range(100 * m + 10 * p, 100 * m + 11 * p),
+                                  max_tokens=m))
+    manager, pool_blocks = s.kv_cache_manager, s.kv_cache_manager.block_pool.blocks
+    in_flight = [s.schedule()]
+    num_checked = 0
+    while s.requests:
+        in_flight.append(s.schedule())
+        done = in_flight.pop(0)
+        requests = dict(s.requests)
+        block_ids = {rid: manager.get_block_ids(rid)[0] for rid in requests}
+        s.update_from_output(done, runner_output_for(done))
+        for rid, r in requests.items():
+            computed = min(r.num_computed_tokens - r.num_in_flight_tokens, r.num_tokens)
+            expected = min(computed // BLOCK, len(r.block_hashes))
+            # (At least these: a schedule may cache a block whose tokens are still in flight.)
+            assert all(pool_blocks[i].block_hash is not None
+                       for i in block_ids[rid][:expected]), (rid, r.num_tokens)
+            num_checked += r.is_finished() and expected > 0
+    assert num_checked == BLOCK * BLOCK
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------

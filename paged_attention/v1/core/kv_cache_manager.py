@@ -30,6 +30,7 @@ from paged_attention.v1.core.single_type_kv_cache_manager import FullAttentionMa
 # A request in one of these states is being admitted: the watermark applies to it.
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _NOT_TAKEN = object()   # a fast path's "not my case" (None already means "no room")
+_ZERO = 0               # compared by identity in allocate_slots' first test
 
 
 def _check_counts(**counts: object) -> None:
@@ -223,23 +224,26 @@ class KVCacheManager:
         None), so they can be reused at once; then the count; then hit blocks, new blocks, and
         the caching of the blocks this step fills (``delay_cache_blocks``: not yet).
         """
-        # The scheduler calls this once per scheduled request and step, almost always with two
-        # plain ints and the three rarer counts at 0: that call is recognised in one test.
+        # The scheduler calls this once per running request and step with a positive int of
+        # new tokens and every other count left at 0: that call is recognised first, the zeros
+        # by identity with the int 0 (CPython has one such object; a zero that is another
+        # object, or not an int, just takes the general path, which checks it). The flag is
+        # tested here too, so that models the fast path never fits pay no extra call.
+        if (new_computed_blocks is None and type(num_new_tokens) is int and num_new_tokens > 0
+                and num_new_computed_tokens is num_lookahead_tokens
+                is num_external_computed_tokens is reserved_blocks is _ZERO
+                and not num_encoder_tokens and not full_sequence_must_fit
+                and self._running_fast_path is not False):
+            fast = self._allocate_running_full_attention(request, num_new_tokens,
+                                                         delay_cache_blocks, has_scheduled_reqs)
+            if fast is not _NOT_TAKEN:
+                return fast
         # Anything else has each count checked, and the wrong one named.
         plain = (type(num_new_tokens) is type(num_new_computed_tokens) is int
                  and num_new_tokens >= 0 and num_new_computed_tokens >= 0
                  and type(num_lookahead_tokens) is type(num_external_computed_tokens)
                  is type(reserved_blocks) is int
                  and num_lookahead_tokens == num_external_computed_tokens == reserved_blocks == 0)
-        # (The flag is tested here too, so that models it never fits pay no extra call.)
-        if plain and self._running_fast_path is not False and num_new_tokens > 0 \
-                and num_new_computed_tokens == 0 \
-                and new_computed_blocks is None and not full_sequence_must_fit \
-                and not num_encoder_tokens:
-            fast = self._allocate_running_full_attention(request, num_new_tokens,
-                                                         delay_cache_blocks, has_scheduled_reqs)
-            if fast is not _NOT_TAKEN:
-                return fast
         if not plain:
             _check_counts(num_new_tokens=num_new_tokens,
                           num_new_computed_tokens=num_new_computed_tokens,
@@ -307,13 +311,15 @@ class KVCacheManager:
         has nothing to give back behind a window, no hit to adopt and no admission cap, so
         the count is each group's growth; this does the same in one pass, with the same
         answer. ``_NOT_TAKEN`` where it does not apply (the general path decides)."""
-        if self._running_fast_path is None:
+        if not self._running_fast_path:
+            if self._running_fast_path is False:
+                return _NOT_TAKEN
             self._running_fast_path = all(type(m) is FullAttentionManager
                                           for m in self.coordinator.single_type_managers)
+            if not self._running_fast_path:
+                return _NOT_TAKEN
         request_id = request.request_id
-        managers = self.coordinator.single_type_managers
-        if not self._running_fast_path:
-            return _NOT_TAKEN
+        coordinator = self.coordinator
         max_model_len = self.max_model_len
         total_computed = request.num_computed_tokens
         if total_computed > max_model_len:
@@ -321,26 +327,37 @@ class KVCacheManager:
         num_tokens_main_model = total_computed + num_new_tokens
         num_tokens_need_slot = (num_tokens_main_model if num_tokens_main_model < max_model_len
                                 else max_model_len)
+        # Tokens whose block hashes exist: a group has blocks to cache only if it has cached
+        # fewer than these (in a decode step, once per block_size steps).
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
         needed = 0
-        for m in managers:
-            if request_id not in m.num_cached_block:
+        blocks_to_cache = False
+        for m in coordinator.single_type_managers:
+            num_cached = m.num_cached_block.get(request_id)
+            if num_cached is None:
                 return _NOT_TAKEN       # not running in this group yet: the general path
-            grow = -(num_tokens_need_slot // -m.block_size) - len(m.req_to_blocks.get(request_id, ()))
+            block_size = m.block_size
+            grow = (-(num_tokens_need_slot // -block_size)
+                    - len(m.req_to_blocks.get(request_id, ())))
             if grow > 0:
                 needed += grow
+            if num_cached * block_size < num_hashed_tokens:
+                blocks_to_cache = True
         watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
                      and request.status in _ADMITTING else 0)
         if needed + watermark > self.block_pool.free_block_queue.num_free_blocks:
             return None
         if needed:
-            blocks = self.create_kv_cache_blocks(self.coordinator.allocate_new_blocks(
+            blocks = self.create_kv_cache_blocks(coordinator.allocate_new_blocks(
                 request_id, num_tokens_need_slot, num_tokens_main_model))
         else:
             blocks = self.empty_kv_cache_blocks     # what the general path returns for none
-        if not delay_cache_blocks:
+        # The coordinator's plain caching test (its groups cache only full, hashed blocks)
+        # has nothing to do when no group is behind the hashes: skip the call.
+        if not delay_cache_blocks and (blocks_to_cache or not coordinator._plain_cache_test):
             num_tokens = len(request._all_token_ids)
-            self.coordinator.cache_blocks(request, num_tokens_main_model if num_tokens_main_model < num_tokens
-                                          else num_tokens)
+            coordinator.cache_blocks(request, num_tokens_main_model
+                                     if num_tokens_main_model < num_tokens else num_tokens)
         return blocks
 
     def free(self, request: Request) -> None:

@@ -9,6 +9,7 @@ and hashes every newly full block.
 from __future__ import annotations
 
 import enum
+import math
 import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -172,6 +173,9 @@ class Request:
         self.num_preemptions = 0
         # Hybrid models: a shared prefix to keep cached in every group (0: none).
         self.shared_prefix_boundary = 0
+        # Async scheduling: the whole hash blocks of computed tokens the scheduler last asked
+        # the KV-cache manager to cache after an output (0 again once it loses its blocks).
+        self.num_cache_checked_blocks = 0
         self.skip_reading_prefix_cache = bool(
             getattr(sampling_params, "skip_reading_prefix_cache", False) or False)
 
@@ -182,8 +186,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         # Tokens per hashed block, where the hasher says (ours does): appending a token then
-        # calls it only when a block may have filled. None: call it after every append.
+        # calls it only when a block may have filled, at _next_hash_at tokens. None: call it
+        # after every append.
         self._hash_block_size: int | None = getattr(block_hasher, "hash_block_size", None)
+        self._next_hash_at: float = math.inf      # no hasher: never
         self.update_block_hashes()
 
     # Read-only views: appending goes through append_output_token_ids, which rehashes.
@@ -215,10 +221,8 @@ class Request:
             self._output_token_ids.append(token_ids)
             all_ids = self._all_token_ids
             all_ids.append(token_ids)
-            every = self._hash_block_size
-            if self._block_hasher is not None and (
-                    every is None or len(all_ids) >= (len(self.block_hashes) + 1) * every):
-                self.block_hashes.extend(self._block_hasher(self))
+            if len(all_ids) >= self._next_hash_at:
+                self.update_block_hashes()
             return
         new = [token_ids] if is_int(token_ids) else list(token_ids)
         if not all(is_int(t) for t in new):
@@ -231,6 +235,8 @@ class Request:
         """Hash the blocks that became full since the last call."""
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+            every = self._hash_block_size
+            self._next_hash_at = (len(self.block_hashes) + 1) * every if every else 0
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -301,25 +301,29 @@ class Scheduler:
         back of the list when blocks run out."""
         manager = self.kv_cache_manager
         running = self.running
+        # This loop runs once per running request and step: what it reads of the scheduler,
+        # the step and the manager is looked up once, and each request's counts once.
+        allocate_slots, max_model_len = manager.allocate_slots, self.max_model_len
+        threshold = step.long_prefill_threshold
         req_index = 0
         while req_index < len(running) and step.token_budget > 0:
             request = running[req_index]
-            if (request.num_output_placeholders > 0
-                    and request.num_computed_tokens + 2 - request.num_output_placeholders
+            num_placeholders = request.num_output_placeholders
+            num_computed = request.num_computed_tokens
+            if (num_placeholders > 0 and num_computed + 2 - num_placeholders
                     >= request.num_prompt_tokens + request.max_tokens):
                 # Async scheduling: the step in flight already produces its last token.
                 req_index += 1
                 continue
 
-            num_new_tokens = (len(request._all_token_ids) + request.num_output_placeholders
-                              - request.num_computed_tokens)
-            if 0 < step.long_prefill_threshold < num_new_tokens:
-                num_new_tokens = step.long_prefill_threshold
+            num_new_tokens = len(request._all_token_ids) + num_placeholders - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
             # At most the budget left, and room in the context for the token this step samples
             # (conditionals rather than min(): this runs per request and step).
             if num_new_tokens > step.token_budget:
                 num_new_tokens = step.token_budget
-            room = self.max_model_len - request.num_computed_tokens - 1
+            room = max_model_len - num_computed - 1
             if num_new_tokens > room:
                 num_new_tokens = room
             if num_new_tokens <= 0:
@@ -329,7 +333,7 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = manager.allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt someone, and try again with what that freed.
@@ -459,6 +463,7 @@ class Scheduler:
         stale (delivered, but it does not move the request's counters).
         """
         self.kv_cache_manager.free(request)
+        request.num_cache_checked_blocks = 0    # its blocks are gone, cached or not
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.drop_stale_output = drop_stale_output or (
@@ -522,7 +527,8 @@ class Scheduler:
         stopped_preempted: set[Request] = set()
 
         # This loop runs once per request and step: attributes are read once into locals.
-        get_request, manager, max_model_len = self.requests.get, self.kv_cache_manager, self.max_model_len
+        get_request, max_model_len = self.requests.get, self.max_model_len
+        cache_blocks, hash_block_size = self.kv_cache_manager.cache_blocks, self.hash_block_size
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = get_request(req_id)
             if request is None:
@@ -555,8 +561,18 @@ class Scheduler:
                 if (not output_is_stale and status_before_stop == _RUNNING
                         and had_placeholders):
                     # Async scheduling: blocks filled by tokens only now known can be cached.
-                    manager.cache_blocks(
-                        request, request.num_computed_tokens - request.num_in_flight_tokens)
+                    # While the computed tokens are all hashed (tokens are known before they
+                    # are computed), what that caches depends only on how many whole hash
+                    # blocks they fill. The manager is asked when that count moves (once per
+                    # hash block of tokens), not again for the same count while the request
+                    # keeps its blocks (a preemption starts the count again).
+                    num_computed = request.num_computed_tokens - request.num_in_flight_tokens
+                    num_blocks = num_computed // hash_block_size
+                    num_hashed = len(request.block_hashes)
+                    if (num_blocks != request.num_cache_checked_blocks
+                            or num_blocks > num_hashed):
+                        cache_blocks(request, num_computed)
+                        request.num_cache_checked_blocks = min(num_blocks, num_hashed)
 
             finish_reason = None
             if stopped:
@@ -567,9 +583,9 @@ class Scheduler:
                 else:
                     stopped_preempted.add(request)
             if new_token_ids or stopped:
+                # (Positional: keywords cost twice as much, per request and step.)
                 outputs[request.client_index].append(EngineCoreOutput(
-                    request_id=req_id, new_token_ids=new_token_ids, finish_reason=finish_reason,
-                    stop_reason=request.stop_reason))
+                    req_id, new_token_ids, finish_reason, request.stop_reason))
 
         if stopped_running:
             self.running = remove_all(self.running, stopped_running)
