@@ -133,3 +133,33 @@ def test_layer_ops_are_chosen_once_and_follow_the_settings():
     with pytest.raises(ValueError, match="power of two"):
         LlamaForCausalLM(LlamaConfig.tiny(head_dim=12, hidden_size=48), random_weights(
             LlamaConfig.tiny(head_dim=12, hidden_size=48)), fused=True)
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_decode_steps_rotate_and_write_inside_the_attention_kernel(dtype):
+    """With Triton's attention, the fused ops hand a decode step's rotary embedding and cache write
+    to the decode kernel (no rotary launch: counted), a prefill's to the rotary kernel; the torch
+    ops rotate, write, then call the same decode kernel. Same logits at every step."""
+    from tests.test_model import Pager
+    if dtype == torch.bfloat16 and DEV.type != "cuda":
+        pytest.skip("the interpreter has no bfloat16")
+    weights = random_weights(CONFIG, seed=7)
+    models = [LlamaForCausalLM(CONFIG, weights, attention="triton", dtype=dtype, device=DEV, fused=f)
+              for f in (False, True)]
+    assert models[1].attn.fuses_rope and isinstance(models[1].ops, FusedLayerOps)
+    ops, calls = models[1].ops, []
+    rope_and_cache = ops.rope_and_cache
+    ops.rope_and_cache = lambda qkv, *a: calls.append(qkv.size(0)) or rope_and_cache(qkv, *a)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (9, 5)]
+    steps = [[("a", prompts[0]), ("b", prompts[1])], [("a", [3]), ("b", [7])], [("a", [1]), ("b", [2])], [("b", [4])]]
+    pagers = [Pager(m, 16, 4, seed=2) for m in models]
+    for work in steps:
+        want, got = (p.step(work) for p in pagers)
+        torch.testing.assert_close(got, want, **(dict(atol=1e-4, rtol=0) if dtype == torch.float32 else
+                                                 dict(atol=5e-2, rtol=2e-2)))
+    assert calls == [14] * CONFIG.num_hidden_layers          # the prefill's 14 tokens, once a layer
+    # The caches hold the same keys and values either way.
+    for (k0, v0), (k1, v1) in zip(pagers[0].kv_caches, pagers[1].kv_caches):
+        torch.testing.assert_close(k1, k0, **_tol(dtype))
+        torch.testing.assert_close(v1, v0, **_tol(dtype))

@@ -220,3 +220,104 @@ def test_lse_merge_plan_runs_again_and_refuses_bad_arguments(device):
     with pytest.raises(ValueError):
         plan.run(out, outputs.transpose(1, 2).contiguous().transpose(1, 2), lses)   # other strides
 
+
+
+# ---- The rotary embedding and the cache write inside the decode kernel (rope=) ----------------
+
+def _rope_problem(device, dtype, lens=(5, 1, 40, 20), H=4, KV=2, D=16, B=4, seed=0):
+    """QKV rows of a decode step, caches, tables, positions (each sequence's last) and slots (one
+    of them -1: a padding row writes nothing)."""
+    from paged_attention.model.layer_ops import RotaryEmbedding
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.tensor(lens)
+    S, cols = len(lens), -(-max(lens) // B)
+    num_blocks = S * cols + 3
+    table = torch.randperm(num_blocks, generator=g)[:S * cols].view(S, cols).int()
+    kc = torch.randn(num_blocks, B, KV, D, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, B, KV, D, generator=g).to(dtype)
+    pos = seq_lens - 1
+    slots = table[torch.arange(S), pos // B].long() * B + pos % B
+    slots[1] = -1
+    qkv = torch.randn(S, (H + 2 * KV) * D, generator=g).to(dtype)
+    cos_sin = RotaryEmbedding(D, 64, 10000.0, torch.device("cpu")).cos_sin
+    to = {"device": device}
+    return {k: v.to(**to) for k, v in dict(qkv=qkv, kc=kc, vc=vc, table=table, seq_lens=seq_lens, pos=pos,
+                                            slots=slots, cos_sin=cos_sin).items()}, (H, KV, D)
+
+
+def _unfused(p, heads, **kw):
+    """The two launches the fused kernel replaces: the rotary kernel with the cache write, then decode."""
+    from paged_attention.kernels.triton.layer_ops import rotary_and_cache_
+    H, KV, D = heads
+    qkv, kc, vc = p["qkv"].clone(), p["kc"].clone(), p["vc"].clone()
+    q = rotary_and_cache_(qkv, p["cos_sin"], p["pos"], p["slots"], kc, vc, H, KV)
+    out = torch.empty_like(q)
+    paged_attention_decode(out, q, kc, vc, p["table"], p["seq_lens"], D ** -0.5, **kw)
+    return out, kc, vc
+
+
+def _fused(p, heads, pos=None, **kw):
+    H, KV, D = heads
+    qkv, kc, vc = p["qkv"].clone(), p["kc"].clone(), p["vc"].clone()
+    q = qkv[:, :H * D].view(-1, H, D)
+    out = torch.empty_like(q)
+    paged_attention_decode(out, q, kc, vc, p["table"], p["seq_lens"], D ** -0.5,
+                           rope=(p["cos_sin"], p["pos"] if pos is None else pos, p["slots"]), **kw)
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_with_rope_equals_rotary_kernel_then_decode(device, dtype, num_splits):
+    """Rotating the queries and the new keys and writing the keys and values inside the decode
+    kernel gives what the rotary-and-cache kernel then the decode kernel give: the same output
+    and the same caches, bit for bit where both run the same float32 arithmetic (the interpreter;
+    compiled, each kernel's own contraction of the products may move a rounding). With three
+    splits the writer is the program whose range holds the last token (later ones are empty for
+    short sequences)."""
+    p, heads = _rope_problem(device, dtype)
+    kw = dict(num_splits=num_splits, launch=(16, 1, 1))
+    want, got = _unfused(p, heads, **kw), _fused(p, heads, **kw)
+    if device.type == "cpu":
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    else:
+        assert torch.equal(got[2], want[2])                                   # values: copied
+        for a, b in zip(got[:2], want[:2]):
+            torch.testing.assert_close(a, b, atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=1e-2)
+    assert not torch.equal(got[1], p["kc"])                                   # the keys were written
+    # The check can fail: the positions one off rotate by the wrong angles.
+    wrong = _fused(p, heads, pos=p["pos"] + 1, **kw)
+    assert not torch.allclose(wrong[0], want[0], atol=1e-3) and not torch.allclose(wrong[1], want[1], atol=1e-3)
+
+
+def test_decode_with_rope_refuses_bad_input_before_launch(device):
+    p, (H, KV, D) = _rope_problem(device, torch.float32)
+    kc, q = p["kc"].clone(), p["qkv"][:, :H * D].view(-1, H, D)
+    out = torch.empty_like(q)
+    good = (p["cos_sin"], p["pos"], p["slots"])
+    bad = [
+        (TypeError, (p["cos_sin"], p["pos"])),                                      # not three
+        (TypeError, (p["cos_sin"].double(), p["pos"], p["slots"])),
+        (TypeError, (p["cos_sin"], p["pos"].float(), p["slots"])),
+        (ValueError, (p["cos_sin"], p["pos"][:-1], p["slots"])),
+        (ValueError, (p["cos_sin"][:, :, :-1], p["pos"], p["slots"])),             # not [P, 2, D/2]
+        (ValueError, (p["cos_sin"], torch.stack([p["pos"]] * 2, 1)[:, 0], p["slots"])),   # strided
+    ]
+    for error, rope in bad:
+        with pytest.raises(error):
+            paged_attention_decode(out, q, kc, p["vc"], p["table"], p["seq_lens"], D ** -0.5, rope=rope)
+    # A query that is not the first columns of QKV rows (its rows end with it: no keys after it).
+    with pytest.raises(ValueError):
+        paged_attention_decode(out, q.contiguous(), kc, p["vc"], p["table"], p["seq_lens"], D ** -0.5, rope=good)
+    assert torch.equal(kc, p["kc"])                                                 # nothing written
+    # A plan made with rope refuses a run without it, and the other way round.
+    plan = DecodePlan(q, kc, p["vc"], p["table"], p["seq_lens"], D ** -0.5, out=out, rope=good)
+    with pytest.raises(ValueError):
+        plan.run(out, q, kc, p["vc"], p["table"], p["seq_lens"])
+    plain = DecodePlan(q, kc, p["vc"], p["table"], p["seq_lens"], D ** -0.5, out=out)
+    with pytest.raises(ValueError):
+        plain.run(out, q, kc, p["vc"], p["table"], p["seq_lens"], rope=good)
+    assert torch.equal(kc, p["kc"])
+    plan.run(out, q, kc, p["vc"], p["table"], p["seq_lens"], rope=good)
+    assert not torch.equal(kc, p["kc"])

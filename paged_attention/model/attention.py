@@ -4,7 +4,8 @@ Every layer does the same two things each step, whatever the batch holds:
 
 1. **Write.** Each new token's key and value go to the cache slot the engine gave it
    (``batch.slot_mapping``), with ``reshape_and_cache_flash``: slot ``s`` is row ``s % block_size``
-   of physical block ``s // block_size``.
+   of physical block ``s // block_size``. (In a decode step on a GPU, Triton's decode kernel does
+   the write itself, with the rotary embedding, just before it attends: ``decode``'s ``rope``.)
 2. **Attend.** Each request's queries read every key of its sequence so far, through its block
    table. A *decode-only* batch (one new token per request) is exactly what
    ``paged_attention_decode`` computes, so one kernel call serves all requests. In a batch with
@@ -218,14 +219,29 @@ class PagedAttention:
         self._write(key, value, kv_cache[0], kv_cache[1], slot_mapping, "auto", self.one, self.one)
 
     # ---- 2. attend -------------------------------------------------------------------------
-    def decode(self, query: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch) -> torch.Tensor:
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether ``decode`` can take ``rope=``: do the step's rotary embedding and cache write in
+        its own kernel (Triton's), so that a decode layer launches nothing for them."""
+        return self.impl == "triton"
+
+    def decode(self, query: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One new token per request: one kernel call for the whole batch.
 
         No host reads (``check_ids=False``, the bound ``batch.max_seq_len`` passed in), so the
-        call can be captured in a CUDA graph.
+        call can be captured in a CUDA graph. With ``rope=(cos_sin, positions, slot_mapping)``
+        (``fuses_rope`` only): ``query`` is the query columns of the QKV projection, unrotated,
+        and the kernel rotates them and writes each new token's key and value first
+        (``paged_attention_decode``'s ``rope``).
         """
-        out = torch.empty_like(query)
-        self._decode(self, out, query, kv_cache[0], kv_cache[1], batch)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if rope is None:
+            self._decode(self, out, query, kv_cache[0], kv_cache[1], batch)
+        elif not self.fuses_rope:
+            raise ValueError(f"attention={self.impl!r} does not fuse the rotary embedding into its decode kernel")
+        else:
+            self._decode(self, out, query, kv_cache[0], kv_cache[1], batch, rope)
         return out
 
     def mixed(self, query: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
@@ -320,9 +336,9 @@ def _kernels(impl: str) -> tuple[Callable[..., None], DecodeFn]:
     if impl == "triton":
         from paged_attention.kernels import triton as kernels
 
-        def decode(attn, out, query, key_cache, value_cache, batch):
+        def decode(attn, out, query, key_cache, value_cache, batch, rope=None):
             kernels.paged_attention_decode(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                                           attn.scale, max_seq_len=batch.max_seq_len, check_ids=False)
+                                           attn.scale, max_seq_len=batch.max_seq_len, check_ids=False, rope=rope)
         return functools.partial(kernels.reshape_and_cache_flash, check_slots=False), decode
 
     if impl == "vllm":

@@ -15,6 +15,8 @@ The operations:
 * ``rope_and_cache(qkv, rope, kv_cache, slot_mapping)``: rotate the queries and keys of the fused
   QKV projection's output, and store each token's key and value in its cache slot; returns the
   queries, which the attention reads;
+* ``decode_attention(qkv, rope, kv_cache, batch)``: for a decode-only batch, ``rope_and_cache``
+  then the decode attention (one Triton launch on a GPU: the decode kernel rotates and writes);
 * ``norm(stream, weight)``: the final norm;
 
 and, as building blocks, ``add_norm(x, residual, weight)`` (``(rms_norm(x + residual), x +
@@ -25,8 +27,8 @@ about ten for the rotary embedding, a cache write after it; the add left to the 
 :class:`FusedLayerOps`, Triton launches (``kernels/triton/layer_ops.py``: the residual add with
 the norm, the rotary embedding with the cache write; ``kernels/triton/fused_linear.py``: for a
 small batch, each projection with what surrounds it: the norm in front, SwiGLU or the residual
-add behind, so that a layer is six launches: four projections, the rotary embedding, the
-attention). The model picks one when it is built, so its forward pass is one loop with no
+add behind; in a decode step the rotary embedding and the cache write go into the attention
+kernel, so that a small-batch decode layer is five launches: four projections and the attention). The model picks one when it is built, so its forward pass is one loop with no
 per-call branching; the tests run both on the same inputs and compare.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_attention.model.attention import KVCache, PagedAttention
+from paged_attention.model.batch import ForwardBatch
 from paged_attention.model.config import LlamaConfig
 
 
@@ -121,6 +124,10 @@ class TorchLayerOps:
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         self.attn.write(k, v.view(-1, self.kv_heads, d), kv_cache, slot_mapping)
         return q
+
+    def decode_attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                         batch: ForwardBatch) -> torch.Tensor:
+        return self.attn.decode(self.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping), kv_cache, batch)
 
     @staticmethod
     def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -246,6 +253,15 @@ class FusedLayerOps:
         if tokens:
             launch((tokens,), qkv, positions, slot_mapping, key_cache, value_cache)
         return q
+
+    def decode_attention(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                         batch: ForwardBatch) -> torch.Tensor:
+        if not self.attn.fuses_rope:
+            return self.attn.decode(self.rope_and_cache(qkv, positions, kv_cache, batch.slot_mapping), kv_cache, batch)
+        # One launch: Triton's decode kernel rotates the queries and the new keys, writes the keys
+        # and values to their slots, then attends.
+        q = qkv[:, :self.heads * self.head_dim].view(qkv.size(0), self.heads, self.head_dim)
+        return self.attn.decode(q, kv_cache, batch, rope=(self.cos_sin, positions, batch.slot_mapping))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = gate_up.new_empty(gate_up.size(0), gate_up.size(1) // 2)

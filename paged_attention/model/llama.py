@@ -180,9 +180,11 @@ class LlamaForCausalLM:
         rope = ops.rope_inputs(positions)                                    # once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
             qkv, residual = ops.norm_linear(stream, layer["input_layernorm"], layer["qkv_proj"])
-            q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
-            o = self.attn.decode(q, kv_cache, batch) if batch.is_decode_only else \
-                self.attn.mixed(q, kv_cache, batch, split)
+            if batch.is_decode_only:
+                o = ops.decode_attention(qkv, rope, kv_cache, batch)
+            else:
+                q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
+                o = self.attn.mixed(q, kv_cache, batch, split)
             stream = ops.linear_add(o.reshape(-1, cfg.q_size), layer["o_proj"], residual)
             act, residual = ops.norm_linear_silu_mul(stream, layer["post_attention_layernorm"], layer["gate_up_proj"])
             stream = ops.linear_add(act, layer["down_proj"], residual)

@@ -49,9 +49,62 @@ def _lse(m, total):
 
 
 @triton.jit
+def _rotate_half(x, partner, cos, sin, first_half):
+    """Rotate-half RoPE of head vectors ``x`` in float32, ``partner`` holding each dimension's pair
+    (``j + D/2`` for ``j < D/2`` and back): ``x1 cos - x2 sin`` on the first half, ``x2 cos + x1
+    sin`` on the second, the products and sums of ``layer_ops``'s rotary kernel, in its order."""
+    x = x.to(tl.float32)
+    partner = partner.to(tl.float32)
+    return tl.where(first_half, x * cos - partner * sin, x * cos + partner * sin)
+
+
+@triton.jit
+def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq, seq_len, start, end, kv_head,
+                    num_heads, num_kv_heads, head_stride, k_cache_ptr, v_cache_ptr,
+                    k_stride_blk, k_stride_tok, k_stride_head, v_stride_blk, v_stride_tok, v_stride_head,
+                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A decode step's rotary embedding and cache write, done by the attention kernel itself.
+
+    ``row`` is the sequence's row of the fused QKV projection: ``num_heads`` query heads, then
+    ``num_kv_heads`` key heads, then as many value heads, ``head_stride`` (= D) apart. Returns this
+    program's query heads ``q`` rotated by the new token's position (float32 maths, rounded to
+    the dtype, as the rotary kernel stores them). The program whose range of the context holds the
+    new token (the sequence's last, ``seq_len - 1``) also rotates that token's key of this KV head
+    and stores it, with the value, at the token's slot (none for a negative slot); then a barrier,
+    so that the loop that follows reads the slot back as any other.
+    """
+    HALF = BLOCK_D // 2
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    j = d % HALF
+    partner = (d + HALF) % BLOCK_D
+    first_half = d < HALF
+    cos = tl.load(cos_sin_ptr + pos * BLOCK_D + j)
+    sin = tl.load(cos_sin_ptr + pos * BLOCK_D + HALF + j)
+    q_partner = tl.load(row + head[:, None] * head_stride + partner[None, :], mask=g_mask[:, None], other=0.0)
+    q = _rotate_half(q, q_partner, cos[None, :], sin[None, :], first_half[None, :]).to(q.dtype)
+
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    last = seq_len - 1
+    writes = (start <= last) & (last < end) & (slot >= 0)
+    key = row + (num_heads + kv_head) * head_stride
+    value = row + (num_heads + num_kv_heads + kv_head) * head_stride
+    k = _rotate_half(tl.load(key + d), tl.load(key + partner), cos, sin, first_half)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    mask = (tl.zeros([BLOCK_D], tl.int32) + writes.to(tl.int32)) != 0
+    tl.store(k_cache_ptr + blk * k_stride_blk + off * k_stride_tok + kv_head * k_stride_head + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * v_stride_blk + off * v_stride_tok + kv_head * v_stride_head + d,
+             tl.load(value + d), mask=mask)
+    tl.debug_barrier()
+    return q
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
+    cos_sin_ptr, pos_ptr, slot_ptr,             # ROPE only: angles [positions, 2, D/2], positions, slots
     qk_scale,                                   # scale * log2(e)
     tokens_per_split, num_splits,
     q_stride_s, q_stride_h,
@@ -67,6 +120,7 @@ def _paged_decode_kernel(
     TILE_N: tl.constexpr,                       # tokens per loop step
     SPLIT: tl.constexpr,                        # False: one split, write `out` directly
     USE_ALIBI: tl.constexpr, STORE_LSE: tl.constexpr,   # STORE_LSE: each head's log-sum-exp to lse_ptr
+    ROPE: tl.constexpr,                         # q_ptr: unrotated QKV rows; rotate, write the new token
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
 ):
@@ -90,6 +144,11 @@ def _paged_decode_kernel(
     d_mask = d < HEAD_SIZE
     q = tl.load(q_ptr + seq * q_stride_s + head[:, None] * q_stride_h + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if ROPE:
+        q = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq,
+                            seq_len, start, end, kv_head, num_heads, tl.num_programs(1), q_stride_h,
+                            k_cache_ptr, v_cache_ptr, k_stride_blk, k_stride_tok, k_stride_head,
+                            v_stride_blk, v_stride_tok, v_stride_head, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head * alibi_stride, mask=g_mask, other=0.0) * 1.4426950408889634
 
@@ -192,6 +251,44 @@ def check_lse(lse: torch.Tensor | None, query: torch.Tensor, query_name: str = "
                          f"got strides {list(lse.stride())}")
 
 
+def check_rope(rope: object, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A decode's ``rope=(cos_sin, positions, slot_mapping)``, checked against its query and
+    caches (typed errors, before any launch): ``cos_sin`` float32 ``[max_position, 2, D/2]``
+    contiguous (cos then sin, RoPE's rotate-half pairing), ``positions`` and ``slot_mapping``
+    contiguous int32/int64 ``[num_seqs]``, all on the query's device; a head size that is a power
+    of two; ``query`` ``[num_seqs, num_heads, D]`` with contiguous heads, each row followed in
+    memory by the token's ``num_kv_heads`` key heads and as many value heads (the fused QKV
+    projection's layout, of which ``query`` is the first columns), of the caches' dtype."""
+    if rope is None:
+        return None
+    if not isinstance(rope, tuple) or len(rope) != 3:
+        raise TypeError(f"rope must be None or a tuple (cos_sin, positions, slot_mapping), got {args.type_name(rope)}")
+    cos_sin, positions, slot_mapping = rope
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.size(2)
+    args.tensor("cos_sin", cos_sin, ndim=3, dtypes=(torch.float32,))
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        args.tensor(name, t, ndim=1, dtypes=(torch.int32, torch.int64))
+        args.shape(name, t, (num_seqs,))
+    args.same_device(query=query, cos_sin=cos_sin, positions=positions, slot_mapping=slot_mapping)
+    if head_size & (head_size - 1) or cos_sin.shape[1:] != (2, head_size // 2) or not cos_sin.is_contiguous():
+        raise ValueError(f"rope needs a head size that is a power of two and a contiguous cos_sin [positions, 2, "
+                         f"{head_size // 2}], got head size {head_size} and cos_sin {list(cos_sin.shape)}")
+    if num_seqs > 1 and (positions.stride(0) != 1 or slot_mapping.stride(0) != 1):
+        raise ValueError("rope's positions and slot_mapping must be contiguous")
+    row = (num_heads + 2 * num_kv_heads) * head_size
+    if query.stride(1) != head_size or query.stride(2) != 1 or (num_seqs > 1 and query.stride(0) < row) or \
+            query.untyped_storage().nbytes() < query.element_size() * (
+                query.storage_offset() + (num_seqs - 1) * query.stride(0) + row):
+        raise ValueError(f"with rope, query must be the query columns of QKV rows of {row} elements "
+                         f"({num_heads} query, {num_kv_heads} key and {num_kv_heads} value heads of {head_size}), "
+                         f"got shape {list(query.shape)} with strides {list(query.stride())}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise TypeError("with rope, the caches must have the query's dtype (the new keys and values go there)")
+    return cos_sin, positions, slot_mapping
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -254,7 +351,8 @@ class DecodePlan:
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  alibi_slopes: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                  max_seq_len: int | None = None, num_splits: int | None = None, check_ids: bool = True,
-                 launch: tuple[int, int, int] | None = None, lse: torch.Tensor | None = None) -> None:
+                 launch: tuple[int, int, int] | None = None, lse: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         out = torch.empty_like(query) if out is None and isinstance(query, torch.Tensor) else out
         max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                                    alibi_slopes, check_ids=check_ids, scale=scale, out=out,
@@ -264,6 +362,7 @@ class DecodePlan:
         num_seqs, num_heads, head_size = query.shape
         check_lse(lse, query)
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        rope = check_rope(rope, query, key_cache, value_cache)
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if num_seqs else 1
         if launch is None:
@@ -274,7 +373,7 @@ class DecodePlan:
         self.num_splits = num_splits = cdiv(max(max_seq_len, 1), tokens_per_split)
         self.max_seq_len = max_seq_len
         self.signature = tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables,
-                                                      seq_lens, alibi_slopes, lse)))
+                                                      seq_lens, alibi_slopes, lse, *(rope or (None,) * 3))))
         self.num_seqs = num_seqs
         if num_seqs == 0:
             return
@@ -290,7 +389,7 @@ class DecodePlan:
         self._decode = Launcher(
             _paged_decode_kernel,
             ("out_ptr", "part_out_ptr", "part_m_ptr", "part_l_ptr", "lse_ptr", "q_ptr", "k_cache_ptr",
-             "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "alibi_ptr"),
+             "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "alibi_ptr", "cos_sin_ptr", "pos_ptr", "slot_ptr"),
             qk_scale=float(scale) * LOG2E, tokens_per_split=tokens_per_split, num_splits=num_splits,
             q_stride_s=query.stride(0), q_stride_h=query.stride(1),
             k_stride_blk=key_cache.stride(0), k_stride_tok=key_cache.stride(1), k_stride_head=key_cache.stride(2),
@@ -302,7 +401,7 @@ class DecodePlan:
             QUERIES_PER_KV=num_heads // num_kv_heads,
             BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
             HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_SIZE=block_size, TILE_N=tile_n,
-            SPLIT=num_splits > 1, STORE_LSE=lse is not None, USE_ALIBI=use_alibi,
+            SPLIT=num_splits > 1, STORE_LSE=lse is not None, USE_ALIBI=use_alibi, ROPE=rope is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
             num_warps=num_warps, num_stages=num_stages)
@@ -320,16 +419,20 @@ class DecodePlan:
 
     def run(self, out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, alibi_slopes: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None) -> None:
+            lse: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            ) -> None:
         """Decode attention into ``out`` (and log-sum-exps into ``lse`` if the plan was made with one);
         the tensors must match the plan (``ValueError`` if not).
         The ids are not checked again: ``seq_lens`` must stay within the planned ``max_seq_len``
         and the tables within the cache, as they were when planned."""
-        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
-        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature, optional=("alibi_slopes", "lse"))
-        self._launch(*tensors)
+        tensors = (out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse,
+                   *(rope if isinstance(rope, tuple) and len(rope) == 3 else (rope, None, None)))
+        check_planned("DecodePlan", _RUN_ARGS, tensors, self.signature,
+                      optional=("alibi_slopes", "lse", "cos_sin", "positions", "slot_mapping"))
+        self._launch(*tensors[:8], rope)
 
-    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse=None) -> None:
+    def _launch(self, out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse=None,
+                rope=None) -> None:
         if self.num_seqs == 0:
             return
         if self.num_splits > 1:
@@ -340,7 +443,7 @@ class DecodePlan:
         # call specialise as the first did.
         lse = out if lse is None else lse        # unused without STORE_LSE
         self._decode.pinned(self._grid, out, *parts, lse, query, key_cache, value_cache, block_tables, seq_lens,
-                            query if alibi_slopes is None else alibi_slopes)
+                            query if alibi_slopes is None else alibi_slopes, *(rope or (query,) * 3))
         if self.num_splits > 1:
             self._merge.pinned(self._merge_grid, out, *parts, lse)
 
@@ -361,7 +464,8 @@ def check_launch(launch: object) -> tuple[int, int, int]:
     return tile_n, num_warps, num_stages
 
 
-_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes", "lse")
+_RUN_ARGS = ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes", "lse",
+             "cos_sin", "positions", "slot_mapping")
 # Plans made by unchecked calls (check_ids=False), by everything the checks depend on: a call
 # with the same shapes, strides, dtypes and options is checked once. Bounded, oldest dropped.
 _PLANS: dict[tuple, DecodePlan] = {}
@@ -383,6 +487,7 @@ def paged_attention_decode(
     check_ids: bool = True,
     launch: tuple[int, int, int] | None = None,
     lse: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -409,6 +514,13 @@ def paged_attention_decode(
     a length of 0: that sequence reads nothing and gets a zero output and an ``lse`` of ``-inf``,
     a part that weighs nothing in a merge (a DCP rank holding none of a short sequence's tokens).
 
+    ``rope=(cos_sin, positions, slot_mapping)`` has the kernel do the step's rotary embedding and
+    cache write as well (``check_rope``), so that a decode layer needs no launch for them: ``query``
+    is then the query columns of the fused QKV projection's output, not yet rotated (the rows go
+    on with the keys and values), and each sequence's new token, its last, is rotated by
+    ``positions`` and stored at ``slot_mapping`` before it is attended to, as
+    ``layer_ops.rotary_and_cache_`` then this function would.
+
     The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
     combination of shapes, strides, dtypes and options, and later calls reuse that
     ``DecodePlan`` (its split buffers included) and only launch. A caller that keeps its own
@@ -417,15 +529,18 @@ def paged_attention_decode(
     if args.flag("check_ids", check_ids) or max_seq_len is None:
         DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
                    max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids, launch=launch,
-                   lse=lse)._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
+                   lse=lse, rope=rope)._launch(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                               alibi_slopes, lse, rope)
         return
     plan = cached_plan(
         _PLANS, _MAX_PLANS,
         lambda: (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              alibi_slopes, lse))), scale, max_seq_len, num_splits, launch),
+                                              alibi_slopes, lse, *(rope or (None,) * 3)))),
+                 scale, max_seq_len, num_splits, launch),
         lambda: DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
-                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch, lse=lse))
-    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse)
+                           max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch, lse=lse,
+                           rope=rope))
+    plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse, rope)
 
 
 # ---- Merging attention over disjoint parts of a context, given by their log-sum-exps ----------

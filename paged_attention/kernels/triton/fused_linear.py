@@ -15,8 +15,8 @@ work between two projections becomes one kernel:
   with the residual add as its epilogue. Each program also sums the squares of the stream it
   stores over its own columns and stores that piece: the next ``norm_linear(sum_sq=...)`` adds a
   row's pieces (a handful of floats) instead of reading the row twice, so no norm launch is left
-  between two projections, and a decode layer is six launches (four projections, the rotary
-  embedding with the cache write, the attention) instead of nine;
+  between two projections: with the rotary embedding and the cache write in the decode attention
+  kernel, a small-batch decode layer is five launches (four projections, the attention);
 * ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM.
 
 ``benchmarks/bench_fused_linear.py`` measures each against the unfused operations (norm kernel,
