@@ -226,8 +226,9 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        self.core.add_request(request_id, list(prompt_token_ids), params, frozenset(stop_ids))
-        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params)
+        prompt_token_ids = list(prompt_token_ids)         # ours (the core copies what it keeps)
+        self.core.add_request(request_id, prompt_token_ids, params, frozenset(stop_ids))
+        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._in_flight)
@@ -303,8 +304,9 @@ class LLMEngine:
     def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Each request's new tokens appended; the finished ones made ``RequestOutput``s."""
         done = []
+        get_request = self.requests.get          # (this loop runs for every request every step)
         for out in outputs:
-            request = self.requests.get(out.request_id)
+            request = get_request(out.request_id)
             if request is None:
                 continue                     # finished at an earlier step (an async step too many)
             request.output_token_ids += out.new_token_ids

@@ -294,13 +294,14 @@ class ModelRunner:
         req_ids, _ = self.batch_index(list(counts_by_req))
         n, num_tokens = len(req_ids), so.total_num_scheduled_tokens
         idx = states.rows(req_ids)
-        counts = np.fromiter(counts_by_req.values(), dtype=np.int32, count=n)
         start = states.num_computed[idx]
-        seq_lens = start + counts
         decode_only = num_tokens == n
-        if decode_only:
+        if decode_only:                         # one token each: no counts to read
+            seq_lens = start + 1
             positions, rows = start, idx
         else:
+            counts = np.fromiter(counts_by_req.values(), dtype=np.int32, count=n)
+            seq_lens = start + counts
             qsl = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
             rows = np.repeat(idx, counts)
