@@ -240,7 +240,7 @@ class LLMEngine:
 
         Every moment of a step that runs tokens is in one of its ``StepStats`` phases: the
         schedule from this call's start, the launch's own overhead in ``prepare``, and the update
-        from the launch's end (or this call's start) to the stats' append."""
+        from the launch's end (or this call's start) to the end of its bookkeeping."""
         t0 = time.perf_counter()
         try:
             if self.core.has_unfinished_requests():

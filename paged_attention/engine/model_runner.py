@@ -416,7 +416,8 @@ class ModelRunner:
         out = RunnerOutput(inputs.req_ids, tokens, self._event(), decode_only=inputs.num_tokens == n,
                            cuda_graph=inputs.graph_key is not None, num_tokens=inputs.num_tokens,
                            prepare=t1 - t0, forward=t2 - t1, sample=0.0, gpu_events=events,
-                           samples=inputs.samples, req_id_to_index=self._batch_index)
+                           samples=inputs.samples,
+                           req_id_to_index=self._batch_index if inputs.req_ids is self._batch_req_ids else None)
         out.sample = time.perf_counter() - t2        # the copy, the event and this output
         return out
 
