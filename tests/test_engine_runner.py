@@ -3,6 +3,9 @@ request states, the packed inputs of a mixed batch, tokens fed from the device, 
 batch a CUDA graph runs (the padding computed eagerly here, where graphs cannot be captured)."""
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -203,3 +206,77 @@ def test_step_graph_keys_pad_each_shape_up_and_cap_prefill_shapes():
     assert graphs.mixed_key(5, 100, 37, 256) is None                             # a third shape: eager
     assert graphs.mixed_key(4, 128, 64, 256) == (4, 128, 64, 256)                # a shape seen keeps its graph
     assert graphs.pool is None and not graphs.graphs                             # nothing captured by asking
+
+
+def test_cached_batch_rows_and_index_follow_every_change():
+    """The rows and the output index of the last batch serve again only while the batch and its
+    requests' rows are the same: a request that leaves and comes back (a preemption) takes
+    another row, and a list changed in place, or the same requests in another order, is a new
+    batch."""
+    states = RequestStates(4, 32, CPU)
+    for rid in "abc":
+        states.add(rid, [1, 2], 0, GREEDY)
+    batch = ["a", "b"]
+    assert states.rows(batch).tolist() == [states.index_of["a"], states.index_of["b"]]
+    with pytest.raises(ValueError):
+        states.rows(batch)[0] = 3                      # shared by the steps that reuse it: read-only
+    states.remove("a")
+    states.add("d", [1], 0, GREEDY)                    # takes a's row
+    states.add("a", [1, 2], 0, GREEDY)                 # a comes back in another row
+    assert states.rows(batch).tolist() == [states.index_of["a"], states.index_of["b"]]
+    batch[1] = "c"                                     # the caller's list, changed in place
+    assert states.rows(batch).tolist() == [states.index_of["a"], states.index_of["c"]]
+    assert states.rows(["c", "a"]).tolist() == [states.index_of["c"], states.index_of["a"]]
+
+    runner = LLM(LlamaForCausalLM(TINY, W), num_gpu_blocks=16, max_num_seqs=4).engine.runner
+    ids, index = runner.batch_index(["a", "b", "c"])
+    assert runner.batch_index(["a", "b", "c"]) == (ids, index) and index == {"a": 0, "b": 1, "c": 2}
+    assert runner.batch_index(["c", "a", "b"])[1] == {"c": 0, "a": 1, "b": 2}
+    assert runner.batch_index(["c", "a"]) == (["c", "a"], {"c": 0, "a": 1})
+
+
+def test_the_step_stats_cover_every_moment_of_a_step(model, monkeypatch):
+    """With a clock that moves one tick at each reading, a moment of ``step`` that no phase
+    records shows as missing ticks: each call must take exactly its phases' ticks, plus the two
+    readings around it. (Steps that ran no token record nothing and are left out.)"""
+    from paged_attention.engine import llm_engine, model_runner
+
+    ticks = iter(range(10**9))
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return float(next(ticks))
+
+    for module in (llm_engine, model_runner):
+        monkeypatch.setattr(module, "time", Clock)
+    for kw in (dict(async_scheduling=True), dict(async_scheduling=False), dict(core="v0")):
+        llm = LLM(model, num_gpu_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=32,
+                  max_model_len=32, **kw)
+        engine, step = llm.engine, llm.engine.step
+        launched, checked = [], []
+
+        class Recording(collections.deque):        # the steps launched, as the engine queues them
+            def append(self, item):
+                launched.append(item)
+                super().append(item)
+
+        def timed_step():
+            first, in_flight = len(engine.step_stats), len(engine._in_flight)
+            launched.clear()
+            t = Clock.perf_counter()
+            done = step()
+            took = Clock.perf_counter() - t
+            stats = engine.step_stats[first:]
+            updated = in_flight + len(launched) - len(engine._in_flight)
+            if all(p.num_tokens for _, p, _ in launched) and len(stats) == updated:
+                recorded = sum(s.wait + s.update for s in stats)
+                recorded += sum(sched + p.prepare + p.forward + p.sample for _, p, sched in launched)
+                checked.append((took, recorded + 2))
+            return done
+
+        engine._in_flight, engine.step = Recording(), timed_step
+        params = [dataclasses.replace(GREEDY, max_tokens=m) for m in (3, 9, 6, 12)]
+        llm.generate(prompts(4, length=12), params, use_tqdm=False)
+        assert len(checked) >= len(engine.step_stats) - 1
+        assert [took for took, _ in checked] == [rec for _, rec in checked], kw

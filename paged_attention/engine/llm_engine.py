@@ -57,11 +57,13 @@ class _Request:
 @dataclass
 class StepStats:
     """One step's shape and where its host time went (seconds). ``schedule``: the core's
-    ``schedule``; ``prepare``: the runner's states, tables and inputs; ``forward``: launching the
-    model (or replaying its graph) and the output projection; ``sample``: launching the sampler
-    and the tokens' copy; ``wait``: the host blocked on the GPU for the tokens; ``update``: the
-    core's stop checks and bookkeeping, and the outputs. ``gpu_events``: CUDA events around the
-    step's device work, when the engine records them."""
+    ``schedule``; ``prepare``: the runner's states, tables and inputs (and the call into the
+    runner); ``forward``: launching the model (or replaying its graph) and the output projection;
+    ``sample``: launching the sampler and the tokens' copy; ``wait``: the host blocked on the GPU
+    for the tokens; ``update``: reading the tokens, the core's stop checks and bookkeeping, the
+    outputs and these stats. The phases cover the whole of ``LLMEngine.step`` (for a step that
+    ran tokens), so ``total`` is the host's time for the step. ``gpu_events``: CUDA events around
+    the step's device work, when the engine records them."""
 
     step: int
     num_reqs: int
@@ -224,8 +226,9 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        self.core.add_request(request_id, list(prompt_token_ids), params, frozenset(stop_ids))
-        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params)
+        prompt_token_ids = list(prompt_token_ids)         # ours (the core copies what it keeps)
+        self.core.add_request(request_id, prompt_token_ids, params, frozenset(stop_ids))
+        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._in_flight)
@@ -233,38 +236,56 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule a step and launch it; then take the oldest step in flight back and update
-        (with async scheduling, one step stays in flight). Returns the requests that finished."""
+        (with async scheduling, one step stays in flight). Returns the requests that finished.
+
+        Every moment of a step that runs tokens is in one of its ``StepStats`` phases: the
+        schedule from this call's start, the launch's own overhead in ``prepare``, and the update
+        from the launch's end (or this call's start) to the end of its bookkeeping."""
+        t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                if self.core.has_unfinished_requests():
+            if self.core.has_unfinished_requests():
+                # Only the launch needs inference mode (the runner does not enter it again); the
+                # update reads host memory and Python state.
+                with torch.inference_mode():
                     so = self.core.schedule()
-                    schedule = time.perf_counter() - t0
-                    self._in_flight.append((so, self.runner.execute_model(so), schedule))
-                if len(self._in_flight) < 2 and self.async_scheduling and self.core.has_unfinished_requests():
-                    return []                                  # update step n after step n + 1 is queued
-                if not self._in_flight:
-                    return []
-                so, pending, schedule = self._in_flight.popleft()
-                return self._update(so, pending, schedule)
+                    t1 = time.perf_counter()
+                    pending = self.runner.execute_model(so)
+                t2 = time.perf_counter()
+                # The runner times its parts from its own start; what the call around them cost
+                # is counted as preparation.
+                pending.prepare = t2 - t1 - pending.forward - pending.sample
+                self._in_flight.append((so, pending, t1 - t0))
+                t0 = t2
+            if len(self._in_flight) < 2 and self.async_scheduling and self.core.has_unfinished_requests():
+                return []                                  # update step n after step n + 1 is queued
+            if not self._in_flight:
+                return []
+            return self._update(t0)
         except BaseException:
             self.abort_all("the step failed")
             raise
 
-    def _update(self, so: SchedulerOutput, pending: RunnerOutput, schedule: float) -> list[RequestOutput]:
+    def _update(self, t0: float) -> list[RequestOutput]:
+        """The oldest step in flight taken back: its tokens (waited for) through the core, then
+        the outputs; its stats go to ``step_stats``, its update counted from ``t0`` less the wait
+        for the tokens."""
+        so, pending, schedule = self._in_flight.popleft()
         output = pending.get_output()
-        t0 = time.perf_counter()
         outputs = self.core.update_from_output(so, output)
         done = self._process(outputs)
         if not pending.num_tokens:
             self._check_progress(outputs)
             return done                         # a step that ran nothing (its news still went out)
         self._idle_steps = 0
-        self.step_stats.append(StepStats(
-            self._num_steps, len(output.req_ids), pending.num_tokens, pending.decode_only, pending.cuda_graph,
-            schedule, pending.prepare, pending.forward, pending.sample, time.perf_counter() - t0, pending.wait,
-            pending.gpu_events))
+        stats = StepStats(self._num_steps, len(output.req_ids), pending.num_tokens, pending.decode_only,
+                          pending.cuda_graph, schedule, pending.prepare, pending.forward, pending.sample, 0.0,
+                          pending.wait, pending.gpu_events)
+        self.step_stats.append(stats)
         self._num_steps += 1
+        # The step's messages (a few objects per request) are freed here, inside the update,
+        # rather than unseen when this returns.
+        del so, pending, output, outputs
+        stats.update = time.perf_counter() - t0 - stats.wait
         return done
 
     def _check_progress(self, outputs: list[EngineCoreOutput]) -> None:
@@ -283,8 +304,9 @@ class LLMEngine:
     def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Each request's new tokens appended; the finished ones made ``RequestOutput``s."""
         done = []
+        get_request = self.requests.get          # (this loop runs for every request every step)
         for out in outputs:
-            request = self.requests.get(out.request_id)
+            request = get_request(out.request_id)
             if request is None:
                 continue                     # finished at an earlier step (an async step too many)
             request.output_token_ids += out.new_token_ids

@@ -27,6 +27,8 @@ Without CUDA the same code runs on the CPU (no graphs, no events, copies are pla
 """
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -63,6 +65,19 @@ class RequestStates:
         self.params: list = [None] * rows
         self.req_ids: list[Optional[str]] = [None] * rows
         self.last_sampled = torch.zeros(rows, dtype=torch.int32, device=device)
+        # The last batch's rows (see ``rows``), valid while no request was added or removed.
+        self._rows_key: Optional[list[str]] = None
+        self._rows = np.zeros(0, dtype=np.int32)
+
+    def rows(self, req_ids: list[str]) -> np.ndarray:
+        """The rows of ``req_ids``, in order (read-only). A decode step usually runs the same
+        requests as the last, in the same order: then the last answer serves again (comparing
+        two lists of the same strings is much cheaper than 256 dict look-ups)."""
+        if req_ids != self._rows_key:
+            rows = np.fromiter(map(self.index_of.__getitem__, req_ids), dtype=np.int32, count=len(req_ids))
+            rows.flags.writeable = False        # shared by the steps that reuse it
+            self._rows, self._rows_key = rows, list(req_ids)
+        return self._rows
 
     def add(self, req_id: str, token_ids: list[int], num_computed: int, params) -> int:
         if req_id in self.index_of:
@@ -73,6 +88,7 @@ class RequestStates:
             raise ValueError(f"request {req_id!r}: {len(token_ids)} tokens ({num_computed} computed) do not fit "
                              f"a request state of max_model_len={self.max_model_len}")
         row = self._free.pop()
+        self._rows_key = None                   # a request's row may have changed
         self.index_of[req_id] = row
         self.req_ids[row] = req_id
         self.token_ids[row, :len(token_ids)] = token_ids
@@ -85,6 +101,7 @@ class RequestStates:
     def remove(self, req_id: str) -> Optional[int]:
         row = self.index_of.pop(req_id, None)
         if row is not None:
+            self._rows_key = None
             self.req_ids[row] = self.params[row] = None
             self._free.append(row)
         return row
@@ -156,8 +173,12 @@ class RunnerOutput:
 
     def __init__(self, req_ids: list[str], tokens: Optional[torch.Tensor], event, *, decode_only: bool,
                  cuda_graph: bool, num_tokens: int, prepare: float, forward: float, sample: float,
-                 gpu_events: Optional[tuple] = None, samples: Optional[np.ndarray] = None) -> None:
+                 gpu_events: Optional[tuple] = None, samples: Optional[np.ndarray] = None,
+                 req_id_to_index: Optional[dict[str, int]] = None) -> None:
         self.req_ids, self._tokens, self._event, self._samples = req_ids, tokens, event, samples
+        if req_id_to_index is None:
+            req_id_to_index = dict(zip(req_ids, range(len(req_ids))))
+        self._req_id_to_index = req_id_to_index
         self.decode_only, self.cuda_graph, self.num_tokens = decode_only, cuda_graph, num_tokens
         self.prepare, self.forward, self.sample = prepare, forward, sample
         self.gpu_events = gpu_events
@@ -175,7 +196,7 @@ class RunnerOutput:
                 sampled = [[t] for t in tokens]
             else:                               # prefill chunks that stop short sample nothing
                 sampled = [[t] if s else [] for t, s in zip(tokens, self._samples.tolist())]
-            self._output = ModelRunnerOutput(self.req_ids, dict(zip(self.req_ids, range(len(tokens)))), sampled)
+            self._output = ModelRunnerOutput(self.req_ids, self._req_id_to_index, sampled)
         return self._output
 
 
@@ -207,6 +228,10 @@ class ModelRunner:
         self._turn = 0
         self.record_gpu_time = record_gpu_time and cuda
         self._generators: dict[str, Optional[torch.Generator]] = {}
+        # The last batch's request ids and their positions in it, the ``ModelRunnerOutput``'s
+        # index: kept while the batch stays the same (``batch_index``).
+        self._batch_req_ids: list[str] = []
+        self._batch_index: dict[str, int] = {}
         self.num_preemptions = 0            # requests dropped by a preemption (to be recomputed)
 
     # ---- 1. states ------------------------------------------------------------------------
@@ -227,14 +252,25 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
-        # Every running request's computed count at once; then the few that gained blocks.
-        rows = np.fromiter(map(states.index_of.__getitem__, cached.req_ids), dtype=np.int64,
-                           count=len(cached.req_ids))
+        # Every running request's computed count at once; then the few that gained blocks
+        # (None for the others: their positions are found by a scan in C, not a Python loop).
+        rows = states.rows(cached.req_ids)
         states.num_computed[rows] = cached.num_computed_tokens
         resumed = cached.resumed_req_ids
-        for i, new_ids in enumerate(cached.new_block_ids):
-            if new_ids is not None and (new_ids[0] or cached.req_ids[i] in resumed):
-                self.tables.set_row(int(rows[i]), new_ids[0], overwrite=cached.req_ids[i] in resumed)
+        new_block_ids = cached.new_block_ids
+        for i in itertools.compress(range(len(new_block_ids)), map(operator.is_not, new_block_ids,
+                                                                     itertools.repeat(None))):
+            new_ids, req_id = new_block_ids[i], cached.req_ids[i]
+            if new_ids[0] or req_id in resumed:
+                self.tables.set_row(int(rows[i]), new_ids[0], overwrite=req_id in resumed)
+
+    def batch_index(self, req_ids: list[str]) -> tuple[list[str], dict[str, int]]:
+        """``req_ids`` and each one's position in it. The same requests as the last batch's, in
+        the same order (most decode steps), get the last list and dict back, not a new dict of
+        every request: neither is ever changed after it is made."""
+        if req_ids != self._batch_req_ids:
+            self._batch_req_ids, self._batch_index = req_ids, dict(zip(req_ids, range(len(req_ids))))
+        return self._batch_req_ids, self._batch_index
 
     def reset(self) -> None:
         """Forget every request (the engine dropped them all); staged table writes included."""
@@ -255,16 +291,17 @@ class ModelRunner:
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         states = self.states
         counts_by_req = so.num_scheduled_tokens
-        req_ids = list(counts_by_req)
+        req_ids, _ = self.batch_index(list(counts_by_req))
         n, num_tokens = len(req_ids), so.total_num_scheduled_tokens
-        idx = np.fromiter(map(states.index_of.__getitem__, req_ids), dtype=np.int32, count=n)
-        counts = np.fromiter(counts_by_req.values(), dtype=np.int32, count=n)
+        idx = states.rows(req_ids)
         start = states.num_computed[idx]
-        seq_lens = start + counts
         decode_only = num_tokens == n
-        if decode_only:
+        if decode_only:                         # one token each: no counts to read
+            seq_lens = start + 1
             positions, rows = start, idx
         else:
+            counts = np.fromiter(counts_by_req.values(), dtype=np.int32, count=n)
+            seq_lens = start + counts
             qsl = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(counts, out=qsl[1:])
             rows = np.repeat(idx, counts)
@@ -340,9 +377,14 @@ class ModelRunner:
         return torch.where(token_ids >= 0, token_ids, self.states.last_sampled[token_rows])
 
     # ---- 3. execute and 4. sample -----------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
         """Run one step; the sampled tokens come back through the returned ``RunnerOutput``."""
+        if torch.is_inference_mode_enabled():
+            return self._execute_model(so)        # the engine's step entered it already
+        with torch.inference_mode():
+            return self._execute_model(so)
+
+    def _execute_model(self, so: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         self.update_states(so)
         if not so.num_scheduled_tokens:
@@ -369,13 +411,15 @@ class ModelRunner:
             t2 = time.perf_counter()
             sampled = self._sample(hidden, inputs, greedy)
         tokens = self._to_host(sampled, n)
-        t3 = time.perf_counter()
         if events is not None:
             events[1].record()
-        return RunnerOutput(inputs.req_ids, tokens, self._event(), decode_only=inputs.num_tokens == n,
-                            cuda_graph=inputs.graph_key is not None, num_tokens=inputs.num_tokens,
-                            prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2, gpu_events=events,
-                            samples=inputs.samples)
+        out = RunnerOutput(inputs.req_ids, tokens, self._event(), decode_only=inputs.num_tokens == n,
+                           cuda_graph=inputs.graph_key is not None, num_tokens=inputs.num_tokens,
+                           prepare=t1 - t0, forward=t2 - t1, sample=0.0, gpu_events=events,
+                           samples=inputs.samples,
+                           req_id_to_index=self._batch_index if inputs.req_ids is self._batch_req_ids else None)
+        out.sample = time.perf_counter() - t2        # the copy, the event and this output
+        return out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         ids = self.input_ids(inputs.token_ids, inputs.token_rows)

@@ -13,7 +13,7 @@ tokens added (unless ``ignore_eos``).
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -69,7 +69,10 @@ class V1Core:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stop_ids: frozenset[int]) -> None:
-        params = dataclasses.replace(params, stop_token_ids=sorted(stop_ids))
+        # The engine's checked copy, with the end tokens added to its stop tokens: a shallow
+        # copy (``dataclasses.replace`` would run every check a second time, per request).
+        params = copy.copy(params)
+        params.stop_token_ids = sorted(stop_ids)
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, None, block_hasher=self._hasher))
 
     def has_unfinished_requests(self) -> bool:
@@ -83,7 +86,10 @@ class V1Core:
         return so
 
     def update_from_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        return [out for outs in self.scheduler.update_from_output(so, output).values() for out in outs.outputs]
+        by_client = self.scheduler.update_from_output(so, output)
+        if len(by_client) == 1:                  # one client (the engine): its list as it is
+            return next(iter(by_client.values())).outputs
+        return [out for outs in by_client.values() for out in outs.outputs]
 
     # ---- failure --------------------------------------------------------------------------
     def abort_all(self, why: str = "aborted") -> list[str]:

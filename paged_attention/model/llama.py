@@ -25,6 +25,8 @@ engine can capture a decode step in a CUDA graph.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
@@ -222,7 +224,9 @@ class LlamaForCausalLM:
             lo, hi = torch.stack([token_ids.min(), token_ids.max()]).tolist()
         else:
             ids = list(token_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            # All plain ints (the usual prompt) is counted in C; anything else is looked at.
+            if operator.countOf(map(type, ids), int) != len(ids) and \
+                    not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError("token ids must be ints")
             if not ids:
                 return
