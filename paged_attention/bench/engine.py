@@ -184,16 +184,22 @@ def load_transformers(dtype: torch.dtype, device: torch.device):
 
     from paged_attention.model.weights import packaged_model_path
     path = packaged_model_path()
-    # Without its progress bar (in a notebook, a widget that a saved page cannot show).
+    # Without progress bars (in a notebook, widgets that a saved page cannot show): the GGUF
+    # reader's, and transformers' own ("Loading weights", transformers 5).
     gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     bar = getattr(gguf_utils, "tqdm", None)
     if bar is not None:
         gguf_utils.tqdm = functools.partial(bar, disable=True)
+    hf_logging = transformers.utils.logging
+    bars_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     finally:
         if bar is not None:
             gguf_utils.tqdm = bar
+        if bars_on:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 
