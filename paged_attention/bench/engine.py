@@ -126,9 +126,11 @@ def run_engine(llm, prompts: list[list[int]], max_tokens: Union[int, list[int]],
 
     A warm-up call first, on ``warm_prompts`` (default: the prompts with every id shifted, so
     that nothing is a prefix-cache hit) with the same output lengths. The timed call records no
-    CUDA events; when the engine was made with ``record_gpu_time``, one more call (the ids
-    shifted again) records them, for the GPU's busy and idle time per decode step (measured on an
-    H200 at 256 requests, the events around every step cost 5 to 9% of the tokens/s)."""
+    CUDA events, so that its figures are what a user's code gets; when the engine was made with
+    ``record_gpu_time``, one more call (the ids shifted again) records them, for the GPU's busy
+    and idle time per decode step. (On an H200 at 256 requests the events cost within the
+    run-to-run spread, about 2%, in one run of alternating calls; an earlier pair of runs had
+    shown 5 to 9%.)"""
     from paged_attention.engine import SamplingParams
 
     lens = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
