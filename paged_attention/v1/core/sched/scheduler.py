@@ -305,8 +305,14 @@ class Scheduler:
         # the step and the manager is looked up once, and each request's counts once.
         allocate_slots, max_model_len = manager.allocate_slots, self.max_model_len
         threshold = step.long_prefill_threshold
+        # StepBudget.schedule written out (per request and step): the budget lives in a local
+        # and goes back to the step around a preemption, which may unschedule someone.
+        scheduled_reqs_append = step.running_reqs.append
+        num_scheduled_tokens = step.num_scheduled_tokens
+        req_to_new_blocks = step.req_to_new_blocks
+        token_budget = step.token_budget
         req_index = 0
-        while req_index < len(running) and step.token_budget > 0:
+        while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_placeholders = request.num_output_placeholders
             num_computed = request.num_computed_tokens
@@ -321,8 +327,8 @@ class Scheduler:
                 num_new_tokens = threshold
             # At most the budget left, and room in the context for the token this step samples
             # (conditionals rather than min(): this runs per request and step).
-            if num_new_tokens > step.token_budget:
-                num_new_tokens = step.token_budget
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             room = max_model_len - num_computed - 1
             if num_new_tokens > room:
                 num_new_tokens = room
@@ -337,6 +343,7 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt someone, and try again with what that freed.
+                step.token_budget = token_budget
                 victim = self._preemption_victim()
                 victim_index = (len(running) - 1 if victim is running[-1]
                                 else running.index(victim))
@@ -345,6 +352,7 @@ class Scheduler:
                     req_index -= 1
                     if victim.request_id in step.num_scheduled_tokens:
                         step.unschedule(victim)     # given tokens this step: take them back
+                        token_budget = step.token_budget
                 self._preempt_request(victim)
                 step.preempted_reqs.append(victim)
                 if victim is request:
@@ -358,9 +366,13 @@ class Scheduler:
                     continue
                 break
 
-            step.running_reqs.append(request)
-            step.schedule(request, num_new_tokens, new_blocks)
+            scheduled_reqs_append(request)
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new_tokens
+            req_to_new_blocks[request_id] = new_blocks
+            token_budget -= num_new_tokens
             req_index += 1
+        step.token_budget = token_budget
 
     def _preemption_victim(self) -> Request:
         """Whom to preempt when blocks run out. First come, first served: the last running
@@ -427,6 +439,10 @@ class Scheduler:
             raise RuntimeError("more running requests than max_num_seqs (a scheduler bug)")
 
         new_reqs, resumed_reqs = step.new_reqs, step.resumed_reqs
+        if not new_reqs and not resumed_reqs:
+            # Only running requests this step (the steady state of decoding): the cached data
+            # and the update after scheduling in one pass over them.
+            return self._make_running_only_output(step, total_num_scheduled_tokens)
         if self.use_v2_model_runner:
             # V2's runner takes a resumed request as a new one, with all its tokens to prefill.
             new_reqs, resumed_reqs = new_reqs + resumed_reqs, []
@@ -452,6 +468,61 @@ class Scheduler:
             preempted_req_ids=self.reset_preempted_req_ids,
         )
         self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _make_running_only_output(self, step: StepBudget,
+                                  total_num_scheduled_tokens: int) -> SchedulerOutput:
+        """``_make_scheduler_output`` when no request is new or resumed: what
+        ``_make_cached_request_data`` and then ``_update_after_schedule`` do, request by
+        request in one loop (each entry is read before its update, as there)."""
+        num_scheduled_tokens = step.num_scheduled_tokens
+        reqs = step.running_reqs
+        all_token_ids: dict[str, list[int]] = {}
+        if not self.use_v2_model_runner:
+            prev = self.prev_step_scheduled_req_ids
+            all_token_ids = {req.request_id: list(req.all_token_ids) for req in reqs
+                             if req.request_id not in prev}
+            self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+        no_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+        placeholders = self.holds_output_placeholders
+        req_ids: list[str] = []
+        new_block_ids: list[Optional[tuple[list[int], ...]]] = []
+        num_computed_tokens: list[int] = []
+        num_output_tokens: list[int] = []
+        add_id, add_blocks = req_ids.append, new_block_ids.append
+        add_computed, add_output = num_computed_tokens.append, num_output_tokens.append
+        # The step's three collections list the running requests in the same order (a request
+        # is scheduled into, and unscheduled from, all three at once).
+        for req, n, blocks in zip(reqs, num_scheduled_tokens.values(),
+                                  step.req_to_new_blocks.values()):
+            add_id(req.request_id)
+            add_blocks(None if blocks is no_blocks else blocks.get_block_ids(allow_none=True))
+            num_computed = req.num_computed_tokens
+            add_computed(num_computed)
+            num_placeholders = req.num_output_placeholders
+            add_output(len(req._output_token_ids) + num_placeholders)
+            # _update_after_schedule, for this request.
+            num_computed += n
+            req.num_computed_tokens = num_computed
+            req.num_in_flight_tokens += n
+            req.is_prefill_chunk = is_chunk = (
+                num_computed < len(req._all_token_ids) + num_placeholders)
+            if placeholders and not is_chunk:
+                req.num_output_placeholders = num_placeholders + 1
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=req_ids, resumed_req_ids=set(), all_token_ids=all_token_ids,
+                new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
+                num_output_tokens=num_output_tokens),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+        )
+        # New sets: the output just built keeps the old ones.
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
         return scheduler_output
 
     def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
