@@ -600,6 +600,7 @@ class Scheduler:
         # This loop runs once per request and step: attributes are read once into locals.
         get_request, max_model_len = self.requests.get, self.max_model_len
         cache_blocks, hash_block_size = self.kv_cache_manager.cache_blocks, self.hash_block_size
+        last_client, add_output = object(), None     # no client yet: nothing equals it
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = get_request(req_id)
             if request is None:
@@ -621,8 +622,17 @@ class Scheduler:
                 had_placeholders = request.num_output_placeholders > 0
                 if len(new_token_ids) == 1 and not output_is_stale:
                     # The common case, one token of a live run: _update_request_with_output's
-                    # one-token path, written out (this runs for every request every step).
-                    request.append_output_token_ids(new_token_ids[0])
+                    # one-token path, written out (this runs for every request every step),
+                    # and for an int token so is Request.append_output_token_ids'.
+                    token_id = new_token_ids[0]
+                    if type(token_id) is int:
+                        request._output_token_ids.append(token_id)
+                        all_ids = request._all_token_ids
+                        all_ids.append(token_id)
+                        if len(all_ids) >= request._next_hash_at:
+                            request.update_block_hashes()
+                    else:
+                        request.append_output_token_ids(token_id)
                     stopped = check_stop(request, max_model_len)
                     if had_placeholders:
                         request.num_output_placeholders -= 1
@@ -654,9 +664,14 @@ class Scheduler:
                 else:
                     stopped_preempted.add(request)
             if new_token_ids or stopped:
-                # (Positional: keywords cost twice as much, per request and step.)
-                outputs[request.client_index].append(EngineCoreOutput(
-                    req_id, new_token_ids, finish_reason, request.stop_reason))
+                # (Positional: keywords cost twice as much, per request and step.) The list of
+                # the previous request's client is kept at hand: most steps have one client.
+                client = request.client_index
+                if client != last_client:
+                    last_client = client
+                    add_output = outputs[client].append
+                add_output(EngineCoreOutput(req_id, new_token_ids, finish_reason,
+                                            request.stop_reason))
 
         if stopped_running:
             self.running = remove_all(self.running, stopped_running)
