@@ -421,3 +421,23 @@ def test_outputs_are_grouped_per_client_in_step_order():
     assert {client: [o.request_id for o in outs.outputs] for client, outs in results.items()} \
         == {0: ["a", "c"], 1: ["b", "d"], 2: ["e"]}
     assert list(results) == [0, 1, 2]
+
+
+def test_a_manager_that_overrides_allocate_slots_is_asked_for_every_running_request():
+    # The running loop may skip allocate_slots' own entry for the manager's fast path; a
+    # manager class with its own allocate_slots must still get every call.
+    s = scheduler()
+    calls = []
+
+    class Recording(type(s.kv_cache_manager)):
+        def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+            calls.append((request.request_id, num_new_tokens))
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    s.kv_cache_manager.__class__ = Recording
+    for rid in "ab":
+        s.add_request(request(rid, [ord(rid)] * 8, max_tokens=5))
+    step(s)
+    del calls[:]
+    step(s)
+    assert calls == [("a", 1), ("b", 1)]

@@ -49,7 +49,7 @@ from typing import Any, Optional, Union
 from paged_attention.kv_cache.interface import FullAttentionSpec
 from paged_attention.utils import cdiv, check_int
 from paged_attention.v1.core.kv_cache_coordinator import default_block_sizes
-from paged_attention.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from paged_attention.v1.core.kv_cache_manager import _NOT_TAKEN, KVCacheBlocks, KVCacheManager
 from paged_attention.v1.core.request import Request, RequestStatus
 from paged_attention.v1.core.sched.messages import (
     EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
@@ -304,6 +304,13 @@ class Scheduler:
         # This loop runs once per running request and step: what it reads of the scheduler,
         # the step and the manager is looked up once, and each request's counts once.
         allocate_slots, max_model_len = manager.allocate_slots, self.max_model_len
+        # The call made here, allocate_slots(request, n) with n a positive int, is the one that
+        # allocate_slots hands to its running fast path: call that path directly (one call
+        # less per request), where the manager's allocate_slots is ours and the path may apply.
+        allocate_running = (
+            manager._allocate_running_full_attention
+            if (type(manager).allocate_slots is KVCacheManager.allocate_slots
+                and manager._running_fast_path is not False) else None)
         threshold = step.long_prefill_threshold
         # StepBudget.schedule written out (per request and step): the budget lives in a local
         # and goes back to the step around a preemption, which may unschedule someone.
@@ -339,7 +346,10 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = allocate_slots(request, num_new_tokens)
+                new_blocks = (allocate_running(request, num_new_tokens, False, True)
+                              if allocate_running is not None else _NOT_TAKEN)
+                if new_blocks is _NOT_TAKEN:
+                    new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt someone, and try again with what that freed.
