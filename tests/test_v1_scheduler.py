@@ -384,3 +384,60 @@ def test_bad_requests_are_refused_and_change_nothing():
         s.finish_requests("a", RequestStatus.RUNNING)
     assert s.requests["a"].status == RequestStatus.WAITING
     assert step(s)[0].num_scheduled_tokens == {"a": 4}
+
+
+def test_priority_preemption_of_a_request_scheduled_earlier_gives_its_tokens_back():
+    # Running order b, a, c with b the lowest priority: when c's chunk finds no free block, b
+    # (already given a token this step) is preempted, and its token goes back to the budget.
+    s = scheduler(num_blocks=9, max_num_seqs=4, max_num_batched_tokens=8,
+                  scheduler_reserve_full_isl=False, policy="priority")
+    s.add_request(request("b", [1] * 7, max_tokens=20, priority=1, arrival=0))
+    step(s)
+    s.add_request(request("a", [2] * 7, max_tokens=20, priority=0, arrival=1))
+    step(s)
+    s.add_request(request("c", [3] * 14, max_tokens=4, priority=0, arrival=2))
+    out, _ = step(s)
+    assert dict(out.num_scheduled_tokens) == {"b": 1, "a": 1, "c": 6}
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"b"}
+    assert dict(out.num_scheduled_tokens) == {"a": 1, "c": 6}
+    assert out.total_num_scheduled_tokens == 7
+    # The next step starts from a full budget again: c's last 2 prompt tokens and a's decode.
+    out, _ = step(s)
+    assert dict(out.num_scheduled_tokens) == {"a": 1, "c": 2}
+    assert out.total_num_scheduled_tokens == 3
+
+
+def test_outputs_are_grouped_per_client_in_step_order():
+    # Requests of two clients interleaved in one step: each client gets its own requests'
+    # outputs, in the order they ran.
+    s = scheduler()
+    for rid, client in (("a", 0), ("b", 1), ("c", 0), ("d", 1), ("e", 2)):
+        r = request(rid, [ord(rid)] * 3, max_tokens=5)
+        r.client_index = client
+        s.add_request(r)
+    out = s.schedule()
+    results = s.update_from_output(out, runner_output(s, out))
+    assert {client: [o.request_id for o in outs.outputs] for client, outs in results.items()} \
+        == {0: ["a", "c"], 1: ["b", "d"], 2: ["e"]}
+    assert list(results) == [0, 1, 2]
+
+
+def test_a_manager_that_overrides_allocate_slots_is_asked_for_every_running_request():
+    # The running loop may skip allocate_slots' own entry for the manager's fast path; a
+    # manager class with its own allocate_slots must still get every call.
+    s = scheduler()
+    calls = []
+
+    class Recording(type(s.kv_cache_manager)):
+        def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+            calls.append((request.request_id, num_new_tokens))
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    s.kv_cache_manager.__class__ = Recording
+    for rid in "ab":
+        s.add_request(request(rid, [ord(rid)] * 8, max_tokens=5))
+    step(s)
+    del calls[:]
+    step(s)
+    assert calls == [("a", 1), ("b", 1)]

@@ -49,7 +49,7 @@ from typing import Any, Optional, Union
 from paged_attention.kv_cache.interface import FullAttentionSpec
 from paged_attention.utils import cdiv, check_int
 from paged_attention.v1.core.kv_cache_coordinator import default_block_sizes
-from paged_attention.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from paged_attention.v1.core.kv_cache_manager import _NOT_TAKEN, KVCacheBlocks, KVCacheManager
 from paged_attention.v1.core.request import Request, RequestStatus
 from paged_attention.v1.core.sched.messages import (
     EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
@@ -304,9 +304,22 @@ class Scheduler:
         # This loop runs once per running request and step: what it reads of the scheduler,
         # the step and the manager is looked up once, and each request's counts once.
         allocate_slots, max_model_len = manager.allocate_slots, self.max_model_len
+        # The call made here, allocate_slots(request, n) with n a positive int, is the one that
+        # allocate_slots hands to its running fast path: call that path directly (one call
+        # less per request), where the manager's allocate_slots is ours and the path may apply.
+        allocate_running = (
+            manager._allocate_running_full_attention
+            if (type(manager).allocate_slots is KVCacheManager.allocate_slots
+                and manager._running_fast_path is not False) else None)
         threshold = step.long_prefill_threshold
+        # StepBudget.schedule written out (per request and step): the budget lives in a local
+        # and goes back to the step around a preemption, which may unschedule someone.
+        scheduled_reqs_append = step.running_reqs.append
+        num_scheduled_tokens = step.num_scheduled_tokens
+        req_to_new_blocks = step.req_to_new_blocks
+        token_budget = step.token_budget
         req_index = 0
-        while req_index < len(running) and step.token_budget > 0:
+        while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_placeholders = request.num_output_placeholders
             num_computed = request.num_computed_tokens
@@ -321,8 +334,8 @@ class Scheduler:
                 num_new_tokens = threshold
             # At most the budget left, and room in the context for the token this step samples
             # (conditionals rather than min(): this runs per request and step).
-            if num_new_tokens > step.token_budget:
-                num_new_tokens = step.token_budget
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             room = max_model_len - num_computed - 1
             if num_new_tokens > room:
                 num_new_tokens = room
@@ -333,10 +346,14 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = allocate_slots(request, num_new_tokens)
+                new_blocks = (allocate_running(request, num_new_tokens, False, True)
+                              if allocate_running is not None else _NOT_TAKEN)
+                if new_blocks is _NOT_TAKEN:
+                    new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 # Out of blocks: preempt someone, and try again with what that freed.
+                step.token_budget = token_budget
                 victim = self._preemption_victim()
                 victim_index = (len(running) - 1 if victim is running[-1]
                                 else running.index(victim))
@@ -345,6 +362,7 @@ class Scheduler:
                     req_index -= 1
                     if victim.request_id in step.num_scheduled_tokens:
                         step.unschedule(victim)     # given tokens this step: take them back
+                        token_budget = step.token_budget
                 self._preempt_request(victim)
                 step.preempted_reqs.append(victim)
                 if victim is request:
@@ -358,9 +376,13 @@ class Scheduler:
                     continue
                 break
 
-            step.running_reqs.append(request)
-            step.schedule(request, num_new_tokens, new_blocks)
+            scheduled_reqs_append(request)
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new_tokens
+            req_to_new_blocks[request_id] = new_blocks
+            token_budget -= num_new_tokens
             req_index += 1
+        step.token_budget = token_budget
 
     def _preemption_victim(self) -> Request:
         """Whom to preempt when blocks run out. First come, first served: the last running
@@ -427,6 +449,10 @@ class Scheduler:
             raise RuntimeError("more running requests than max_num_seqs (a scheduler bug)")
 
         new_reqs, resumed_reqs = step.new_reqs, step.resumed_reqs
+        if not new_reqs and not resumed_reqs:
+            # Only running requests this step (the steady state of decoding): the cached data
+            # and the update after scheduling in one pass over them.
+            return self._make_running_only_output(step, total_num_scheduled_tokens)
         if self.use_v2_model_runner:
             # V2's runner takes a resumed request as a new one, with all its tokens to prefill.
             new_reqs, resumed_reqs = new_reqs + resumed_reqs, []
@@ -452,6 +478,61 @@ class Scheduler:
             preempted_req_ids=self.reset_preempted_req_ids,
         )
         self._update_after_schedule(scheduler_output)
+        return scheduler_output
+
+    def _make_running_only_output(self, step: StepBudget,
+                                  total_num_scheduled_tokens: int) -> SchedulerOutput:
+        """``_make_scheduler_output`` when no request is new or resumed: what
+        ``_make_cached_request_data`` and then ``_update_after_schedule`` do, request by
+        request in one loop (each entry is read before its update, as there)."""
+        num_scheduled_tokens = step.num_scheduled_tokens
+        reqs = step.running_reqs
+        all_token_ids: dict[str, list[int]] = {}
+        if not self.use_v2_model_runner:
+            prev = self.prev_step_scheduled_req_ids
+            all_token_ids = {req.request_id: list(req.all_token_ids) for req in reqs
+                             if req.request_id not in prev}
+            self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+        no_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+        placeholders = self.holds_output_placeholders
+        req_ids: list[str] = []
+        new_block_ids: list[Optional[tuple[list[int], ...]]] = []
+        num_computed_tokens: list[int] = []
+        num_output_tokens: list[int] = []
+        add_id, add_blocks = req_ids.append, new_block_ids.append
+        add_computed, add_output = num_computed_tokens.append, num_output_tokens.append
+        # The step's three collections list the running requests in the same order (a request
+        # is scheduled into, and unscheduled from, all three at once).
+        for req, n, blocks in zip(reqs, num_scheduled_tokens.values(),
+                                  step.req_to_new_blocks.values()):
+            add_id(req.request_id)
+            add_blocks(None if blocks is no_blocks else blocks.get_block_ids(allow_none=True))
+            num_computed = req.num_computed_tokens
+            add_computed(num_computed)
+            num_placeholders = req.num_output_placeholders
+            add_output(len(req._output_token_ids) + num_placeholders)
+            # _update_after_schedule, for this request.
+            num_computed += n
+            req.num_computed_tokens = num_computed
+            req.num_in_flight_tokens += n
+            req.is_prefill_chunk = is_chunk = (
+                num_computed < len(req._all_token_ids) + num_placeholders)
+            if placeholders and not is_chunk:
+                req.num_output_placeholders = num_placeholders + 1
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=req_ids, resumed_req_ids=set(), all_token_ids=all_token_ids,
+                new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
+                num_output_tokens=num_output_tokens),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+        )
+        # New sets: the output just built keeps the old ones.
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
         return scheduler_output
 
     def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
@@ -529,6 +610,7 @@ class Scheduler:
         # This loop runs once per request and step: attributes are read once into locals.
         get_request, max_model_len = self.requests.get, self.max_model_len
         cache_blocks, hash_block_size = self.kv_cache_manager.cache_blocks, self.hash_block_size
+        last_client, add_output = object(), None     # no client yet: nothing equals it
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = get_request(req_id)
             if request is None:
@@ -550,8 +632,17 @@ class Scheduler:
                 had_placeholders = request.num_output_placeholders > 0
                 if len(new_token_ids) == 1 and not output_is_stale:
                     # The common case, one token of a live run: _update_request_with_output's
-                    # one-token path, written out (this runs for every request every step).
-                    request.append_output_token_ids(new_token_ids[0])
+                    # one-token path, written out (this runs for every request every step),
+                    # and for an int token so is Request.append_output_token_ids'.
+                    token_id = new_token_ids[0]
+                    if type(token_id) is int:
+                        request._output_token_ids.append(token_id)
+                        all_ids = request._all_token_ids
+                        all_ids.append(token_id)
+                        if len(all_ids) >= request._next_hash_at:
+                            request.update_block_hashes()
+                    else:
+                        request.append_output_token_ids(token_id)
                     stopped = check_stop(request, max_model_len)
                     if had_placeholders:
                         request.num_output_placeholders -= 1
@@ -583,9 +674,14 @@ class Scheduler:
                 else:
                     stopped_preempted.add(request)
             if new_token_ids or stopped:
-                # (Positional: keywords cost twice as much, per request and step.)
-                outputs[request.client_index].append(EngineCoreOutput(
-                    req_id, new_token_ids, finish_reason, request.stop_reason))
+                # (Positional: keywords cost twice as much, per request and step.) The list of
+                # the previous request's client is kept at hand: most steps have one client.
+                client = request.client_index
+                if client != last_client:
+                    last_client = client
+                    add_output = outputs[client].append
+                add_output(EngineCoreOutput(req_id, new_token_ids, finish_reason,
+                                            request.stop_reason))
 
         if stopped_running:
             self.running = remove_all(self.running, stopped_running)
