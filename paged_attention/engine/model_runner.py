@@ -134,6 +134,7 @@ class InputBuffers:
         self.device = torch.zeros(size, dtype=torch.int32, device=device) if cuda else self.host[0]
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: list[Optional[tuple[int, np.ndarray]]] = [None] * len(self.host)
         self._turn = 0
 
     @staticmethod
@@ -144,6 +145,16 @@ class InputBuffers:
     def next_host(self) -> np.ndarray:
         self._turn = (self._turn + 1) % len(self.host)
         return self.host_np[self._turn]
+
+    def holds(self, layout: tuple[int, np.ndarray]) -> bool:
+        """Whether the current host buffer was last filled for a decode step of ``layout`` =
+        ``(padded requests, rows)``, the rows the same (read-only) array."""
+        last = self._layouts[self._turn]
+        return last is not None and last[1] is layout[1] and last[0] == layout[0]
+
+    def record_layout(self, layout: Optional[tuple[int, np.ndarray]]) -> None:
+        """What the current host buffer was just filled for (None: a step ``holds`` never matches)."""
+        self._layouts[self._turn] = layout
 
     def copy(self, length: int) -> None:
         if self.device is not self.host[self._turn]:
@@ -367,24 +378,32 @@ class ModelRunner:
         # One pinned buffer, one copy. Padding: rows of the padding state, one key, no slot.
         buf = self.buffers.next_host()
         o = InputBuffers.offsets(b, t)
-        buf[o[0]:o[0] + n] = idx
-        buf[o[0] + n:o[1]] = states.pad_row
-        if decode_only:
-            buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
+        # A decode step of the same rows (the same array) as this buffer's last decode step only
+        # changes its sequence lengths and positions: the rest of the buffer already holds it.
+        layout = (b, idx) if decode_only and ids is None else None
+        if layout is not None and self.buffers.holds(layout):
+            buf[o[2]:o[2] + n] = seq_lens
+            buf[o[3]:o[3] + n] = positions
         else:
-            # A padded batch with prefills: the padding requests bring no token, and the padding
-            # tokens (past the last request's) belong to none.
-            buf[o[1]:o[1] + n + 1] = qsl
-            buf[o[1] + n + 1:o[2]] = num_tokens
-        buf[o[2]:o[2] + n] = seq_lens
-        buf[o[2] + n:o[3]] = 1
-        buf[o[3]:o[3] + num_tokens] = positions
-        buf[o[3] + num_tokens:o[4]] = 0
-        buf[o[4]:o[5]] = -1
-        if ids is not None:
-            buf[o[4]:o[4] + num_tokens] = ids
-        buf[o[5]:o[5] + num_tokens] = rows
-        buf[o[5] + num_tokens:o[6]] = states.pad_row
+            buf[o[0]:o[0] + n] = idx
+            buf[o[0] + n:o[1]] = states.pad_row
+            if decode_only:
+                buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
+            else:
+                # A padded batch with prefills: the padding requests bring no token, and the
+                # padding tokens (past the last request's) belong to none.
+                buf[o[1]:o[1] + n + 1] = qsl
+                buf[o[1] + n + 1:o[2]] = num_tokens
+            buf[o[2]:o[2] + n] = seq_lens
+            buf[o[2] + n:o[3]] = 1
+            buf[o[3]:o[3] + num_tokens] = positions
+            buf[o[3] + num_tokens:o[4]] = 0
+            buf[o[4]:o[5]] = -1
+            if ids is not None:
+                buf[o[4]:o[4] + num_tokens] = ids
+            buf[o[5]:o[5] + num_tokens] = rows
+            buf[o[5] + num_tokens:o[6]] = states.pad_row
+            self.buffers.record_layout(layout)
         self.buffers.copy(o[6])
         idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev, idx_n, qsl_n, pos_n = self.buffers.views(
             b, t, n, num_tokens)
