@@ -298,8 +298,10 @@ class ModelRunner:
         # (None for the others: their positions are found by a scan in C, not a Python loop).
         rows = states.rows(cached.req_ids)
         states.num_computed[rows] = cached.num_computed_tokens
-        resumed = cached.resumed_req_ids
         new_block_ids = cached.new_block_ids
+        if new_block_ids.count(None) == len(new_block_ids):
+            return                              # no request gained a block (most decode steps)
+        resumed = cached.resumed_req_ids
         for i in itertools.compress(range(len(new_block_ids)), map(operator.is_not, new_block_ids,
                                                                      itertools.repeat(None))):
             new_ids, req_id = new_block_ids[i], cached.req_ids[i]
