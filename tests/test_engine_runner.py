@@ -235,6 +235,67 @@ def test_cached_batch_rows_and_index_follow_every_change():
     assert runner.batch_index(["c", "a"]) == (["c", "a"], {"c": 0, "a": 1})
 
 
+def test_cached_all_greedy_follows_a_row_taken_by_another_request():
+    """Whether a batch is all greedy is remembered for its rows array, but a request added into
+    one of its rows (a sampled one into a greedy one's) makes it be worked out again."""
+    states = RequestStates(4, 32, CPU)
+    for rid in "ab":
+        states.add(rid, [1, 2], 0, GREEDY)
+    rows = states.rows(["a", "b"])
+    assert states.all_greedy(rows)
+    states.remove("b")
+    states.add("c", [1, 2], 0, SamplingParams(temperature=1.0, seed=0))     # takes b's row
+    assert states.index_of["c"] == rows[1]
+    assert not states.all_greedy(rows)
+    assert not states.all_greedy(states.rows(["a", "c"])) and states.all_greedy(states.rows(["a"]))
+
+
+def test_a_graphs_first_rows_view_is_made_once_per_output_tensor():
+    """A replay returns the same output tensor, whose ``[:n]`` view serves again; the first,
+    eager run of a key returns another tensor, whose rows must not be read through the old view."""
+    runner = LLM(LlamaForCausalLM(TINY, W), num_gpu_blocks=16, max_num_seqs=4).engine.runner
+    key = (4, 4, 1, 256, "greedy")
+    eager, replayed = torch.arange(4), torch.arange(10, 14)
+    assert runner._first_rows(key, eager, 3).tolist() == [0, 1, 2]
+    view = runner._first_rows(key, replayed, 3)
+    assert view.tolist() == [10, 11, 12] and runner._first_rows(key, replayed, 3) is view
+    assert runner._first_rows(key, replayed, 2).tolist() == [10, 11]
+
+
+@pytest.mark.parametrize("short", [2, 3])
+def test_a_decode_step_refilling_only_lengths_packs_what_a_full_fill_packs(model, short):
+    """A decode step of the rows its host buffer was last filled for writes only the lengths
+    and positions; the buffer must then hold what filling all of it would. Two host buffers and
+    a device buffer of their own, padded batches (as on a GPU: 3 and 4 requests both run as 4),
+    requests that finish while others come in (the padded batch keeps its size but changes
+    rows), each step packed twice: as the runner does, then with the buffer's layout forgotten
+    (a full fill)."""
+    llm = LLM(model, num_gpu_blocks=64, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.graphs = _EagerGraphs(4, 256)
+    bufs = runner.buffers
+    bufs.host = [bufs.host[0], torch.zeros_like(bufs.host[0])]
+    bufs.host_np = [h.numpy() for h in bufs.host]
+    bufs.device, bufs._views, bufs._copies, bufs._layouts = torch.zeros_like(bufs.host[0]), {}, {}, [None, None]
+    real, holds = runner.prepare_inputs, bufs.holds
+    fast = []
+    bufs.holds = lambda layout: fast.append(holds(layout)) or fast[-1]
+
+    def packed_twice(so):
+        inputs = real(so)
+        turn = bufs._turn
+        got = bufs.host_np[turn].copy()
+        bufs._layouts[turn], bufs._turn = None, (turn + 1) % 2
+        real(so)
+        assert bufs._turn == turn and np.array_equal(got, bufs.host_np[turn])
+        return inputs
+    runner.prepare_inputs = packed_twice
+    lens = [short, 30, short + 12, 24, 20, 10]
+    ps = prompts(6, length=6)
+    out = llm.generate(ps, [dataclasses.replace(GREEDY, max_tokens=k) for k in lens], use_tqdm=False)
+    assert [len(t) for t in tokens(out)] == lens and sum(fast) >= 8
+
+
 def test_the_step_stats_cover_every_moment_of_a_step(model, monkeypatch):
     """With a clock that moves one tick at each reading, a moment of ``step`` that no phase
     records shows as missing ticks: each call must take exactly its phases' ticks, plus the two

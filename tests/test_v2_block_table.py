@@ -194,6 +194,37 @@ def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
     assert bt.num_blocks.np[:, 2].tolist() == [0, 0, 0]
 
 
+def test_fast_apply_skips_only_when_nothing_changed(monkeypatch):
+    # An apply with no write staged and the counts as last published launches nothing; a staged
+    # write that leaves the counts as they were, or counts edited by hand, still get applied.
+    fused = CountingKernel(fast_bt._apply_block_table_writes_kernel)
+    monkeypatch.setattr(fast_bt, "_apply_block_table_writes_kernel", fused)
+    bt = make("triton")
+    bt.append_block_ids(0, ([1, 2], [3]), overwrite=True)
+    bt.append_block_ids(1, ([4], [5, 6]), overwrite=True)
+    bt.apply_staged_writes()
+    assert fused.launches == 1
+    bt.apply_staged_writes()                                   # nothing new: no launch
+    assert fused.launches == 1
+    out = bt.gather_block_tables(i32([1, 0]))
+    assert host(out[0])[:, :3].tolist() == [[4, 0, 0], [1, 2, 0]]
+    bt.append_block_ids(0, ([7, 8], [9]), overwrite=True)      # same counts, new ids
+    bt.apply_staged_writes()
+    assert fused.launches == 2
+    for t in bt.input_block_tables:
+        t.fill_(0)                                             # (a gather leaves stale columns)
+    out = bt.gather_block_tables(i32([0]))
+    assert host(out[0])[0, :3].tolist() == [7, 8, 0] and host(out[1])[0, :2].tolist() == [9, 0]
+    bt.num_blocks.np[0, 0] = 1                                 # counts edited by hand, nothing staged
+    bt.apply_staged_writes()
+    assert fused.launches == 3
+    bt.input_block_tables[0].fill_(0)
+    out = bt.gather_block_tables(i32([0]))
+    assert host(out[0])[0, :3].tolist() == [7, 0, 0]
+    bt.apply_staged_writes()
+    assert fused.launches == 3
+
+
 @pytest.mark.parametrize("apply_impl,gather_impl", [("vllm", "triton"), ("triton", "triton"), ("vllm", "vllm")])
 def test_apply_and_gather_kernels_mix(apply_impl, gather_impl):
     # The fast gather reads the counts from device memory after a fast apply, and from the UVA

@@ -68,6 +68,9 @@ class RequestStates:
         # The last batch's rows (see ``rows``), valid while no request was added or removed.
         self._rows_key: Optional[list[str]] = None
         self._rows = np.zeros(0, dtype=np.int32)
+        # Whether every request of the rows array last asked about is greedy (see all_greedy).
+        self._greedy_rows: Optional[np.ndarray] = None
+        self._all_greedy = True
 
     def rows(self, req_ids: list[str]) -> np.ndarray:
         """The rows of ``req_ids``, in order (read-only). A decode step usually runs the same
@@ -79,6 +82,15 @@ class RequestStates:
             self._rows, self._rows_key = rows, list(req_ids)
         return self._rows
 
+    def all_greedy(self, rows: np.ndarray) -> bool:
+        """Whether every request of ``rows`` samples greedily. Asked again about the same array
+        (the read-only one ``rows`` hands out while the batch stays the same), the last answer
+        serves: only ``add`` changes a row's sampling, and it forgets the answer."""
+        if rows is not self._greedy_rows:
+            self._all_greedy = bool(self.greedy[rows].all())
+            self._greedy_rows = rows
+        return self._all_greedy
+
     def add(self, req_id: str, token_ids: list[int], num_computed: int, params) -> int:
         if req_id in self.index_of:
             raise ValueError(f"request {req_id!r} already holds request state {self.index_of[req_id]}")
@@ -88,7 +100,7 @@ class RequestStates:
             raise ValueError(f"request {req_id!r}: {len(token_ids)} tokens ({num_computed} computed) do not fit "
                              f"a request state of max_model_len={self.max_model_len}")
         row = self._free.pop()
-        self._rows_key = None                   # a request's row may have changed
+        self._rows_key = self._greedy_rows = None      # a request's row may have changed
         self.index_of[req_id] = row
         self.req_ids[row] = req_id
         self.token_ids[row, :len(token_ids)] = token_ids
@@ -120,7 +132,9 @@ class InputBuffers:
         self.host = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
         self.host_np = [h.numpy() for h in self.host]
         self.device = torch.zeros(size, dtype=torch.int32, device=device) if cuda else self.host[0]
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: list[Optional[tuple[int, np.ndarray]]] = [None] * len(self.host)
         self._turn = 0
 
     @staticmethod
@@ -132,18 +146,41 @@ class InputBuffers:
         self._turn = (self._turn + 1) % len(self.host)
         return self.host_np[self._turn]
 
+    def holds(self, layout: tuple[int, np.ndarray]) -> bool:
+        """Whether the current host buffer was last filled for a decode step of ``layout`` =
+        ``(padded requests, rows)``, the rows the same (read-only) array."""
+        last = self._layouts[self._turn]
+        return last is not None and last[1] is layout[1] and last[0] == layout[0]
+
+    def record_layout(self, layout: Optional[tuple[int, np.ndarray]]) -> None:
+        """What the current host buffer was just filled for (None: a step ``holds`` never matches)."""
+        self._layouts[self._turn] = layout
+
     def copy(self, length: int) -> None:
         if self.device is not self.host[self._turn]:
-            self.device[:length].copy_(self.host[self._turn][:length], non_blocking=True)
+            key = (self._turn, length)
+            pair = self._copies.get(key)        # (slicing costs host microseconds: decode lengths are few)
+            if pair is None:
+                pair = self.device[:length], self.host[self._turn][:length]
+                if len(self._copies) < 4096:
+                    self._copies[key] = pair
+            pair[0].copy_(pair[1], non_blocking=True)
 
-    def views(self, num_reqs: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
-        """``(idx_mapping, query_start_loc, seq_lens, positions, token_ids, token_rows)`` on the device."""
-        key = (num_reqs, num_tokens)
+    def views(self, num_reqs: int, num_tokens: int, num_real_reqs: Optional[int] = None,
+              num_real_tokens: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+        """``(idx_mapping, query_start_loc, seq_lens, positions, token_ids, token_rows)`` on the
+        device for a padded batch of ``num_reqs`` requests and ``num_tokens`` tokens, then the
+        real batch's ``idx_mapping[:num_real_reqs]``, ``query_start_loc[:num_real_reqs + 1]`` and
+        ``positions[:num_real_tokens]`` (the real counts default to the padded ones)."""
+        n = num_reqs if num_real_reqs is None else num_real_reqs
+        t = num_tokens if num_real_tokens is None else num_real_tokens
+        key = (num_reqs, num_tokens, n, t)
         views = self._views.get(key)
         if views is None:
             o = self.offsets(num_reqs, num_tokens)
             views = tuple(self.device[a:b] for a, b in zip(o, o[1:]))
-            if num_reqs == num_tokens:         # decode shapes: few, and graphs hold them
+            views += (views[0][:n], views[1][:n + 1], views[3][:t])
+            if n == t:                         # decode shapes: few, and graphs hold them
                 self._views[key] = views
         return views
 
@@ -225,6 +262,11 @@ class ModelRunner:
         # The sampled tokens' host copies, two in turn: a step's tokens are read after the next
         # step is launched (async scheduling), which writes the other one.
         self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._sampled_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._row_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}    # see _first_rows
+        # Their events, in the same turn: a step's event is recorded again two steps later, when
+        # its host copy is written again (by then the engine has read both).
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._turn = 0
         self.record_gpu_time = record_gpu_time and cuda
         self._generators: dict[str, Optional[torch.Generator]] = {}
@@ -256,8 +298,10 @@ class ModelRunner:
         # (None for the others: their positions are found by a scan in C, not a Python loop).
         rows = states.rows(cached.req_ids)
         states.num_computed[rows] = cached.num_computed_tokens
-        resumed = cached.resumed_req_ids
         new_block_ids = cached.new_block_ids
+        if new_block_ids.count(None) == len(new_block_ids):
+            return                              # no request gained a block (most decode steps)
+        resumed = cached.resumed_req_ids
         for i in itertools.compress(range(len(new_block_ids)), map(operator.is_not, new_block_ids,
                                                                      itertools.repeat(None))):
             new_ids, req_id = new_block_ids[i], cached.req_ids[i]
@@ -336,29 +380,37 @@ class ModelRunner:
         # One pinned buffer, one copy. Padding: rows of the padding state, one key, no slot.
         buf = self.buffers.next_host()
         o = InputBuffers.offsets(b, t)
-        buf[o[0]:o[0] + n] = idx
-        buf[o[0] + n:o[1]] = states.pad_row
-        if decode_only:
-            buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
+        # A decode step of the same rows (the same array) as this buffer's last decode step only
+        # changes its sequence lengths and positions: the rest of the buffer already holds it.
+        layout = (b, idx) if decode_only and ids is None else None
+        if layout is not None and self.buffers.holds(layout):
+            buf[o[2]:o[2] + n] = seq_lens
+            buf[o[3]:o[3] + n] = positions
         else:
-            # A padded batch with prefills: the padding requests bring no token, and the padding
-            # tokens (past the last request's) belong to none.
-            buf[o[1]:o[1] + n + 1] = qsl
-            buf[o[1] + n + 1:o[2]] = num_tokens
-        buf[o[2]:o[2] + n] = seq_lens
-        buf[o[2] + n:o[3]] = 1
-        buf[o[3]:o[3] + num_tokens] = positions
-        buf[o[3] + num_tokens:o[4]] = 0
-        buf[o[4]:o[5]] = -1
-        if ids is not None:
-            buf[o[4]:o[4] + num_tokens] = ids
-        buf[o[5]:o[5] + num_tokens] = rows
-        buf[o[5] + num_tokens:o[6]] = states.pad_row
+            buf[o[0]:o[0] + n] = idx
+            buf[o[0] + n:o[1]] = states.pad_row
+            if decode_only:
+                buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
+            else:
+                # A padded batch with prefills: the padding requests bring no token, and the
+                # padding tokens (past the last request's) belong to none.
+                buf[o[1]:o[1] + n + 1] = qsl
+                buf[o[1] + n + 1:o[2]] = num_tokens
+            buf[o[2]:o[2] + n] = seq_lens
+            buf[o[2] + n:o[3]] = 1
+            buf[o[3]:o[3] + num_tokens] = positions
+            buf[o[3] + num_tokens:o[4]] = 0
+            buf[o[4]:o[5]] = -1
+            if ids is not None:
+                buf[o[4]:o[4] + num_tokens] = ids
+            buf[o[5]:o[5] + num_tokens] = rows
+            buf[o[5] + num_tokens:o[6]] = states.pad_row
+            self.buffers.record_layout(layout)
         self.buffers.copy(o[6])
-        idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev = self.buffers.views(b, t)
+        idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev, idx_n, qsl_n, pos_n = self.buffers.views(
+            b, t, n, num_tokens)
 
-        block_tables, slot_mapping = self.tables.prepare(
-            idx_dev[:n], qsl_dev[:n + 1], pos_dev[:num_tokens], rows, positions, b, t)
+        block_tables, slot_mapping = self.tables.prepare(idx_n, qsl_n, pos_n, rows, positions, b, t)
         no_kv_write = getattr(so, "no_kv_write_req_ids", None)       # the legacy core's, see there
         if no_kv_write:
             at = [int(buf[o[1] + i]) for i, r in enumerate(req_ids) if r in no_kv_write]
@@ -369,7 +421,7 @@ class ModelRunner:
                                padded=(b, t) != (n, num_tokens))
         batch = ForwardBatch(qsl_dev, seq_lens_dev, block_tables, slot_mapping,
                              max_query_len=max_query_len, max_seq_len=max_seq_len, **host_layout)
-        return StepInputs(req_ids, n, num_tokens, idx_dev[:n], idx_dev, pos_dev, ids_dev, rows_dev, idx, samples, batch,
+        return StepInputs(req_ids, n, num_tokens, idx_n, idx_dev, pos_dev, ids_dev, rows_dev, idx, samples, batch,
                           graph_key)
 
     def input_ids(self, token_ids: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
@@ -397,15 +449,17 @@ class ModelRunner:
         inputs = self.prepare_inputs(so)
         t1 = time.perf_counter()
         n = inputs.num_reqs
-        greedy = bool(self.states.greedy[inputs.idx_np].all())
+        greedy = self.states.all_greedy(inputs.idx_np)
         if inputs.graph_key is not None and greedy:
             # A greedy step is one graph from the inputs to the tokens: the model, the output
             # projection, the argmax and each request's last token kept on the device.
-            sampled = self.graphs.run(inputs.graph_key + ("greedy",), lambda: self._forward_greedy(inputs))[:n]
+            key = inputs.graph_key + ("greedy",)
+            sampled = self._first_rows(key, self.graphs.run(key, lambda: self._forward_greedy(inputs)), n)
             t2 = time.perf_counter()
         else:
             if inputs.graph_key is not None:
-                hidden = self.graphs.run(inputs.graph_key, lambda: self._forward(inputs))[:n]
+                hidden = self._first_rows(inputs.graph_key, self.graphs.run(inputs.graph_key,
+                                                                            lambda: self._forward(inputs)), n)
             else:
                 hidden = self._forward(inputs)
             t2 = time.perf_counter()
@@ -420,6 +474,14 @@ class ModelRunner:
                            req_id_to_index=self._batch_index if inputs.req_ids is self._batch_req_ids else None)
         out.sample = time.perf_counter() - t2        # the copy, the event and this output
         return out
+
+    def _first_rows(self, key: tuple, out: torch.Tensor, n: int) -> torch.Tensor:
+        """``out[:n]`` of graph ``key``'s output: a replay returns the same tensor every time, so
+        its view is made once (slicing costs host microseconds every step)."""
+        made = self._row_views.get((key, n))
+        if made is None or made[0] is not out:
+            made = self._row_views[key, n] = (out, out[:n])
+        return made[1]
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         ids = self.input_ids(inputs.token_ids, inputs.token_rows)
@@ -450,14 +512,17 @@ class ModelRunner:
     def _to_host(self, sampled: torch.Tensor, n: int) -> torch.Tensor:
         """Queue the copy of a step's tokens to pinned host memory (read after the step's event)."""
         self._turn = (self._turn + 1) % len(self._sampled_host)
-        host = self._sampled_host[self._turn][:n]
+        host = self._sampled_views.get((self._turn, n))
+        if host is None:                        # (at most 2 * max_num_reqs views, made once)
+            host = self._sampled_views[self._turn, n] = self._sampled_host[self._turn][:n]
         host.copy_(sampled, non_blocking=True)
         return host
 
     def _event(self):
-        if self.device.type != "cuda":
+        """The event of the host copy ``_to_host`` just queued (the same turn's), recorded."""
+        if self._events is None:
             return None
-        event = torch.cuda.Event()
+        event = self._events[self._turn]
         event.record()
         return event
 
