@@ -120,9 +120,11 @@ def step_table(llm: LLM, first: int, seconds: float) -> str:
     and every step that was not decode-only (prefills, mixed steps)."""
     steps = llm.engine.step_stats[first:]
     decodes = sorted((s for s in steps if s.decode_only), key=lambda s: -s.total)
+    totals = sorted(1e3 * s.total for s in decodes) or [float("nan")]
     out = [f"    {len(steps)} steps take {1e3 * sum(s.total for s in steps):.1f} of the run's {1e3 * seconds:.1f} ms; "
-           f"slowest decode steps (ms): " + ", ".join(f"{s.step}: {1e3 * s.total:.2f} (wait {1e3 * s.wait:.2f})"
-                                                    for s in decodes[:4])]
+           f"decode steps: median {totals[len(totals) // 2]:.3f} ms, mean {sum(totals) / len(totals):.3f} ms; "
+           f"slowest (ms): " + ", ".join(f"{s.step}: {1e3 * s.total:.2f} (wait {1e3 * s.wait:.2f}, schedule "
+                                        f"{1e3 * s.schedule:.2f})" for s in decodes[:4])]
     for s in steps:
         if s.decode_only:
             continue
