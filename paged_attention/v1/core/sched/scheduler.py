@@ -449,10 +449,6 @@ class Scheduler:
             raise RuntimeError("more running requests than max_num_seqs (a scheduler bug)")
 
         new_reqs, resumed_reqs = step.new_reqs, step.resumed_reqs
-        if not new_reqs and not resumed_reqs:
-            # Only running requests this step (the steady state of decoding): the cached data
-            # and the update after scheduling in one pass over them.
-            return self._make_running_only_output(step, total_num_scheduled_tokens)
         if self.use_v2_model_runner:
             # V2's runner takes a resumed request as a new one, with all its tokens to prefill.
             new_reqs, resumed_reqs = new_reqs + resumed_reqs, []
@@ -478,61 +474,6 @@ class Scheduler:
             preempted_req_ids=self.reset_preempted_req_ids,
         )
         self._update_after_schedule(scheduler_output)
-        return scheduler_output
-
-    def _make_running_only_output(self, step: StepBudget,
-                                  total_num_scheduled_tokens: int) -> SchedulerOutput:
-        """``_make_scheduler_output`` when no request is new or resumed: what
-        ``_make_cached_request_data`` and then ``_update_after_schedule`` do, request by
-        request in one loop (each entry is read before its update, as there)."""
-        num_scheduled_tokens = step.num_scheduled_tokens
-        reqs = step.running_reqs
-        all_token_ids: dict[str, list[int]] = {}
-        if not self.use_v2_model_runner:
-            prev = self.prev_step_scheduled_req_ids
-            all_token_ids = {req.request_id: list(req.all_token_ids) for req in reqs
-                             if req.request_id not in prev}
-            self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
-        no_blocks = self.kv_cache_manager.empty_kv_cache_blocks
-        placeholders = self.holds_output_placeholders
-        req_ids: list[str] = []
-        new_block_ids: list[Optional[tuple[list[int], ...]]] = []
-        num_computed_tokens: list[int] = []
-        num_output_tokens: list[int] = []
-        add_id, add_blocks = req_ids.append, new_block_ids.append
-        add_computed, add_output = num_computed_tokens.append, num_output_tokens.append
-        # The step's three collections list the running requests in the same order (a request
-        # is scheduled into, and unscheduled from, all three at once).
-        for req, n, blocks in zip(reqs, num_scheduled_tokens.values(),
-                                  step.req_to_new_blocks.values()):
-            add_id(req.request_id)
-            add_blocks(None if blocks is no_blocks else blocks.get_block_ids(allow_none=True))
-            num_computed = req.num_computed_tokens
-            add_computed(num_computed)
-            num_placeholders = req.num_output_placeholders
-            add_output(len(req._output_token_ids) + num_placeholders)
-            # _update_after_schedule, for this request.
-            num_computed += n
-            req.num_computed_tokens = num_computed
-            req.num_in_flight_tokens += n
-            req.is_prefill_chunk = is_chunk = (
-                num_computed < len(req._all_token_ids) + num_placeholders)
-            if placeholders and not is_chunk:
-                req.num_output_placeholders = num_placeholders + 1
-        scheduler_output = SchedulerOutput(
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=req_ids, resumed_req_ids=set(), all_token_ids=all_token_ids,
-                new_block_ids=new_block_ids, num_computed_tokens=num_computed_tokens,
-                num_output_tokens=num_output_tokens),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total_num_scheduled_tokens,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=self.reset_preempted_req_ids,
-        )
-        # New sets: the output just built keeps the old ones.
-        self.finished_req_ids = set()
-        self.reset_preempted_req_ids = set()
         return scheduler_output
 
     def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
@@ -632,17 +573,8 @@ class Scheduler:
                 had_placeholders = request.num_output_placeholders > 0
                 if len(new_token_ids) == 1 and not output_is_stale:
                     # The common case, one token of a live run: _update_request_with_output's
-                    # one-token path, written out (this runs for every request every step),
-                    # and for an int token so is Request.append_output_token_ids'.
-                    token_id = new_token_ids[0]
-                    if type(token_id) is int:
-                        request._output_token_ids.append(token_id)
-                        all_ids = request._all_token_ids
-                        all_ids.append(token_id)
-                        if len(all_ids) >= request._next_hash_at:
-                            request.update_block_hashes()
-                    else:
-                        request.append_output_token_ids(token_id)
+                    # one-token path, written out (this runs for every request every step).
+                    request.append_output_token_ids(new_token_ids[0])
                     stopped = check_stop(request, max_model_len)
                     if had_placeholders:
                         request.num_output_placeholders -= 1
