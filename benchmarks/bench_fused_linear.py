@@ -33,6 +33,7 @@ projections and norms through ``FusedLayerOps``, with the fused kernels and with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import time
@@ -121,6 +122,7 @@ def run_layer(Ms, dtype, device, smoke: bool) -> None:
     ``small_batch``: the largest M up to which the fused layer is faster at every M measured."""
     import torch
 
+    from paged_attention.kernels.triton import pdl
     from paged_attention.model import LlamaConfig
     from paged_attention.model.attention import PagedAttention
     from paged_attention.model.layer_ops import FusedLayerOps, ResidualStream, RotaryEmbedding
@@ -145,6 +147,11 @@ def run_layer(Ms, dtype, device, smoke: bool) -> None:
               for _ in range(cfg.num_hidden_layers)]
     print(f"\nlayer (graph us per layer, {len(layers)} layers: norm_linear, linear_add, norm_linear_silu_mul, "
           f"linear_add)")
+    # Fused with and without programmatic dependent launch (each kernel reading its weights
+    # while the one before finishes), where the GPU has it.
+    variants = [("unfused", 0, False), ("fused", 1 << 20, False)]
+    if pdl.enabled(device):
+        variants.append(("fused+pdl", 1 << 20, True))
     faster = []
     for M in Ms:
         x0, attn_out = w(M, hidden) * hidden ** 0.5, w(M, cfg.q_size)
@@ -158,16 +165,18 @@ def run_layer(Ms, dtype, device, smoke: bool) -> None:
                 stream = ops.linear_add(act, weights["down"], residual)
             return ops.norm(stream, layers[0]["ln1"])
         times, outs = {}, {}
-        for label, small in (("unfused", 0), ("fused", 1 << 20)):
+        for label, small, early in variants:
             ops.small_batch = small
-            outs[label] = model()
-            times[label] = graph(model) / len(layers)
-        err = ((outs["fused"].float() - outs["unfused"].float()).abs().max() /
-               outs["unfused"].float().abs().max()).item()
+            with contextlib.nullcontext() if early else pdl.disabled():
+                outs[label] = model()
+                times[label] = graph(model) / len(layers)
+        err = max(((outs[label].float() - outs["unfused"].float()).abs().max() /
+                   outs["unfused"].float().abs().max()).item() for label in outs)
         assert err < 0.05, f"fused and unfused layers disagree at M={M}: {err:.3g}"
-        faster.append(times["fused"] < times["unfused"])
-        print(f"M={M:<4} unfused {times['unfused']:7.2f}  fused {times['fused']:7.2f}  "
-              f"x{times['unfused'] / times['fused']:4.2f}  (rel diff {err:.1e})", flush=True)
+        best_fused = min(t for label, t in times.items() if label != "unfused")
+        faster.append(best_fused < times["unfused"])
+        print(f"M={M:<4} " + "  ".join(f"{label} {t:7.2f}" for label, t in times.items())
+              + f"  x{times['unfused'] / best_fused:4.2f}  (rel diff {err:.1e})", flush=True)
     best = 0
     for M, ok in zip(Ms, faster):
         if not ok:

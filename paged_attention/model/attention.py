@@ -338,7 +338,8 @@ def _kernels(impl: str) -> tuple[Callable[..., None], DecodeFn]:
 
         def decode(attn, out, query, key_cache, value_cache, batch, rope=None):
             kernels.paged_attention_decode(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                                           attn.scale, max_seq_len=batch.max_seq_len, check_ids=False, rope=rope)
+                                           attn.scale, max_seq_len=batch.max_seq_len, check_ids=False, rope=rope,
+                                           pdl=rope is not None)
         return functools.partial(kernels.reshape_and_cache_flash, check_slots=False), decode
 
     if impl == "vllm":

@@ -331,9 +331,12 @@ class FusedLayerOps:
             return (*fl.norm_linear(x, norm_weight, weight, self._eps, residual, act=act, config=config,
                                     sum_sq=sum_sq), None)
         pieces = 0 if sum_sq is None else sum_sq.size(1)
-        key = (has_norm, residual is not None, silu, pieces, add is not None, N, K, config)
+        pdl_on = fl._pdl.enabled(x.device)
+        key = (has_norm, residual is not None, silu, pieces, add is not None, pdl_on, N, K, config)
         launch = self._linear_launchers.get(key)
         if launch is None:
+            # With PDL a launch may start before the previous kernel ends and read its weights
+            # meanwhile: in a model's step no kernel writes a weight.
             launch = self._linear_launchers[key] = self._launcher(
                 fl._fused_linear_kernel, ("x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "out_ptr",
                                           "stream_ptr", "sum_sq_ptr", "add_ptr", "sums_out_ptr", "M"),
@@ -342,8 +345,8 @@ class FusedLayerOps:
                 stride_am=N, stride_an=1, HAS_NORM=has_norm, HAS_RESIDUAL=residual is not None,
                 SILU_AND_MUL=silu, NORM_FROM_SUMS=sum_sq is not None,
                 BLOCK_S=fl._pieces_block(max(1, pieces)), ADD_RESIDUAL=add is not None,
-                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, PDL=pdl_on,
+                num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl_on else {}))
         out = x.new_empty(M, N)
         stream = x if residual is None else x.new_empty(M, K)
         col_tiles = -(-N // config.BLOCK_N)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import args
+from paged_attention.kernels.triton import pdl as _pdl
 from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile
 from paged_attention.kernels.triton.common import span as _span
 from paged_attention.kernels.triton.launch import cached_plan, check_planned, tensor_signature
@@ -66,12 +67,15 @@ def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq
     """A decode step's rotary embedding and cache write, done by the attention kernel itself.
 
     ``row`` is the sequence's row of the fused QKV projection: ``num_heads`` query heads, then
-    ``num_kv_heads`` key heads, then as many value heads, ``head_stride`` (= D) apart. Returns this
-    program's query heads ``q`` rotated by the new token's position (float32 maths, rounded to
-    the dtype, as the rotary kernel stores them). The program whose range of the context holds the
-    new token (the sequence's last, ``seq_len - 1``) also rotates that token's key of this KV head
-    and stores it, with the value, at the token's slot (none for a negative slot); then a barrier,
-    so that the loop that follows reads the slot back as any other.
+    ``num_kv_heads`` key heads, then as many value heads, ``head_stride`` (= D) apart. Returns
+    ``(q, k, v, writes)``: this program's query heads ``q`` rotated by the new token's position
+    (float32 maths, rounded to the dtype, as the rotary kernel stores them), and the new token's
+    key (rotated) and value of this KV head as the cache holds them. ``writes``: whether this
+    program's range of the context holds the new token (the sequence's last, ``seq_len - 1``) and
+    its slot is a real one; that program stores the key and value at the slot (none for a
+    negative slot), and its loop takes that token's row from ``k`` and ``v`` rather than reading
+    back what it has just stored: no barrier between the store and the loop, whose first loads
+    can then be on their way already.
     """
     HALF = BLOCK_D // 2
     pos = tl.load(pos_ptr + seq).to(tl.int64)
@@ -88,16 +92,14 @@ def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq
     writes = (start <= last) & (last < end) & (slot >= 0)
     key = row + (num_heads + kv_head) * head_stride
     value = row + (num_heads + num_kv_heads + kv_head) * head_stride
-    k = _rotate_half(tl.load(key + d), tl.load(key + partner), cos, sin, first_half)
+    k = _rotate_half(tl.load(key + d), tl.load(key + partner), cos, sin, first_half).to(k_cache_ptr.dtype.element_ty)
+    v = tl.load(value + d).to(v_cache_ptr.dtype.element_ty)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     mask = (tl.zeros([BLOCK_D], tl.int32) + writes.to(tl.int32)) != 0
-    tl.store(k_cache_ptr + blk * k_stride_blk + off * k_stride_tok + kv_head * k_stride_head + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + blk * v_stride_blk + off * v_stride_tok + kv_head * v_stride_head + d,
-             tl.load(value + d), mask=mask)
-    tl.debug_barrier()
-    return q
+    tl.store(k_cache_ptr + blk * k_stride_blk + off * k_stride_tok + kv_head * k_stride_head + d, k, mask=mask)
+    tl.store(v_cache_ptr + blk * v_stride_blk + off * v_stride_tok + kv_head * v_stride_head + d, v, mask=mask)
+    return q, k, v, writes
 
 
 @triton.jit
@@ -123,6 +125,7 @@ def _paged_decode_kernel(
     ROPE: tl.constexpr,                         # q_ptr: unrotated QKV rows; rotate, write the new token
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
+    PDL: tl.constexpr,                          # launched early (pdl.py): seq_lens are read before the wait
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,6 +137,8 @@ def _paged_decode_kernel(
     # The last split runs to the sequence's end, so a too-small max_seq_len (unchecked when
     # check_ids=False) costs balance, never tokens.
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + tokens_per_split, seq_len))
+    _pdl.wait(PDL)                                      # the queries are the previous kernel's output
+    _pdl.launch_dependents(PDL)
 
     # Rows of the tile: the query heads of this KV head's group (rows >= QUERIES_PER_KV are
     # padding, with zero queries). Columns: the head dimension, padded to a power of two.
@@ -145,7 +150,7 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + seq * q_stride_s + head[:, None] * q_stride_h + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if ROPE:
-        q = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq,
+        q, k_new, v_new, writes = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq,
                             seq_len, start, end, kv_head, num_heads, tl.num_programs(1), q_stride_h,
                             k_cache_ptr, v_cache_ptr, k_stride_blk, k_stride_tok, k_stride_head,
                             v_stride_blk, v_stride_tok, v_stride_head, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE)
@@ -165,6 +170,11 @@ def _paged_decode_kernel(
         k, v = load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
                             k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
                             BLOCK_SIZE=BLOCK_SIZE, OFFSETS_64=OFFSETS_64)   # [TILE_N, BLOCK_D] each
+        if ROPE:
+            # The new token's row from the registers (its store above may not have landed yet).
+            new = ((n == seq_len - 1) & writes)[:, None]
+            k = tl.where(new, k_new[None, :], k)
+            v = tl.where(new, v_new[None, :], v)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_G, TILE_N]
         if USE_ALIBI:
@@ -352,7 +362,7 @@ class DecodePlan:
                  alibi_slopes: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                  max_seq_len: int | None = None, num_splits: int | None = None, check_ids: bool = True,
                  launch: tuple[int, int, int] | None = None, lse: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = False) -> None:
         out = torch.empty_like(query) if out is None and isinstance(query, torch.Tensor) else out
         max_seq_len = args.check_flash_decode_args(query, key_cache, value_cache, block_tables, seq_lens,
                                                    alibi_slopes, check_ids=check_ids, scale=scale, out=out,
@@ -363,6 +373,7 @@ class DecodePlan:
         check_lse(lse, query)
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
         rope = check_rope(rope, query, key_cache, value_cache)
+        pdl_on = args.flag("pdl", pdl) and _pdl.enabled(query.device)
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device) if num_seqs else 1
         if launch is None:
@@ -403,8 +414,8 @@ class DecodePlan:
             HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_SIZE=block_size, TILE_N=tile_n,
             SPLIT=num_splits > 1, STORE_LSE=lse is not None, USE_ALIBI=use_alibi, ROPE=rope is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
-            num_warps=num_warps, num_stages=num_stages)
+            OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31, PDL=pdl_on,
+            num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl_on else {}))
         if num_splits > 1:
             self._merge_grid = (num_seqs, num_heads)
             # The split buffers: [num_seqs, num_heads, num_splits(, head_size)], contiguous.
@@ -488,6 +499,7 @@ def paged_attention_decode(
     launch: tuple[int, int, int] | None = None,
     lse: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> None:
     """Decode attention over a flash-layout paged cache, written into ``out``.
 
@@ -518,8 +530,15 @@ def paged_attention_decode(
     cache write as well (``check_rope``), so that a decode layer needs no launch for them: ``query``
     is then the query columns of the fused QKV projection's output, not yet rotated (the rows go
     on with the keys and values), and each sequence's new token, its last, is rotated by
-    ``positions`` and stored at ``slot_mapping`` before it is attended to, as
-    ``layer_ops.rotary_and_cache_`` then this function would.
+    ``positions``, stored at ``slot_mapping`` and attended to, as ``layer_ops.rotary_and_cache_``
+    then this function would. (The kernel attends to the new token from its registers, so its slot
+    must be the one the block table gives for it, as a scheduler's slot mapping is; a negative
+    slot stores nothing and reads that token from the cache.)
+
+    ``pdl=True`` launches the kernel with programmatic dependent launch where the GPU has it
+    (``pdl.py``): it may start while the previous kernel on the stream still runs, and reads
+    ``seq_lens`` before waiting for it. Only for a caller whose previous kernel does not write
+    ``seq_lens`` (a model's QKV projection); everything else is read after the wait.
 
     The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
     combination of shapes, strides, dtypes and options, and later calls reuse that
@@ -529,17 +548,17 @@ def paged_attention_decode(
     if args.flag("check_ids", check_ids) or max_seq_len is None:
         DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
                    max_seq_len=max_seq_len, num_splits=num_splits, check_ids=check_ids, launch=launch,
-                   lse=lse, rope=rope)._launch(out, query, key_cache, value_cache, block_tables, seq_lens,
+                   lse=lse, rope=rope, pdl=pdl)._launch(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                alibi_slopes, lse, rope)
         return
     plan = cached_plan(
         _PLANS, _MAX_PLANS,
         lambda: (tuple(map(tensor_signature, (out, query, key_cache, value_cache, block_tables, seq_lens,
                                               alibi_slopes, lse, *(rope or (None,) * 3)))),
-                 scale, max_seq_len, num_splits, launch),
+                 scale, max_seq_len, num_splits, launch, pdl),
         lambda: DecodePlan(query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes, out=out,
                            max_seq_len=max_seq_len, num_splits=num_splits, check_ids=False, launch=launch, lse=lse,
-                           rope=rope))
+                           rope=rope, pdl=pdl))
     plan._launch(out, query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, lse, rope)
 
 

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.kernels import args
+from paged_attention.kernels.triton import pdl as _pdl
 from paged_attention.kernels.triton.common import check_triton_dtype
 from paged_attention.utils import next_power_of_2
 
@@ -125,7 +126,8 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
                          stride_sm, stride_sk, stride_am, stride_an,
                          HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_AND_MUL: tl.constexpr,
                          NORM_FROM_SUMS: tl.constexpr, BLOCK_S: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     # Program (column tile, row tile): output columns rn of rows rm. out is [M, N] contiguous;
     # weight row n holds output column n's K coefficients (F.linear's [N, K]); with SwiGLU, weight
     # is [2N, K]: the gate's row n, then the up projection's row N + n. NORM_FROM_SUMS: the rows'
@@ -149,6 +151,10 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
         w_up = _load_weight(weight_ptr + N * stride_wn, cols, n_mask, k, K, stride_wn, stride_wk, BLOCK_M)
     if HAS_NORM:
         norm_w = tl.load(norm_weight_ptr + k * stride_nw, mask=k < K, other=0.0)
+    # Launched with PDL, this kernel may be running before the previous one has finished: the
+    # weights above are no kernel's output, everything below (the stream, its sums) is.
+    _pdl.wait(PDL)
+    _pdl.launch_dependents(PDL)
     a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
                      HAS_RESIDUAL)
 
@@ -398,7 +404,7 @@ def _pieces_block(pieces: int) -> int:
     return max(2, next_power_of_2(pieces))
 
 
-def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=None, add=None):
+def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=None, add=None, pdl_on=False):
     silu = act == "silu_and_mul"
     config = _check_config(config if config is not None else default_config(M, N, K, silu))
     out = x.new_empty(M, N)
@@ -411,6 +417,7 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
         sq = sum_sq if sum_sq is not None else out
         ad = add if add is not None else x
         grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, config.BLOCK_M))
+        launch = {"launch_pdl": True} if pdl_on and _pdl.enabled(x.device) else {}
         _fused_linear_kernel[grid](
             x, r, nw, weight, out, stream, sq, ad, sums_out if sums_out is not None else out,
             M, N, K, float(eps), sum_sq.size(1) if sum_sq is not None else 1,
@@ -419,8 +426,8 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
             NORM_FROM_SUMS=sum_sq is not None,
             BLOCK_S=_pieces_block(sum_sq.size(1) if sum_sq is not None else 1), ADD_RESIDUAL=add is not None,
-            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, PDL=bool(launch),
+            num_warps=config.num_warps, num_stages=config.num_stages, **launch)
     elif sums_out is not None:
         sums_out.zero_()                        # no columns: every row's sum is 0
     return out, stream, sums_out
@@ -428,8 +435,8 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None, *, act: str | None = None,
-                config: FusedLinearConfig | None = None, sum_sq: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                config: FusedLinearConfig | None = None, sum_sq: torch.Tensor | None = None,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(x + residual) * norm_weight, weight), x + residual)`` in one launch.
 
     ``x``, ``residual``: ``[M, K]``; ``norm_weight``: ``[K]``; ``weight``: ``[N, K]`` (F.linear's),
@@ -448,20 +455,21 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     if sum_sq is not None:
         _check_sum_sq(sum_sq, x, residual)
-    return _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=sum_sq)[:2]
+    return _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=sum_sq,
+                   pdl_on=args.flag("pdl", pdl))[:2]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, act: str | None = None,
-           config: FusedLinearConfig | None = None) -> torch.Tensor:
+           config: FusedLinearConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight)`` (``x`` ``[M, K]``, ``weight`` ``[N, K]``, one dtype, any strides) by
     the same kernel without the norm, for a small M; with ``act="silu_and_mul"`` (weight ``[2N, K]``)
     ``silu(gate) * up``. A float32 accumulation, the output in x's dtype."""
     M, N, K = _check(x, weight, None, None, act)
-    return _launch(x, weight, None, None, 0.0, act, config, M, N, K)[0]
+    return _launch(x, weight, None, None, 0.0, act, config, M, N, K, pdl_on=args.flag("pdl", pdl))[0]
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-               config: FusedLinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: FusedLinearConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(F.linear(x, weight) + residual, sum_sq)`` in one launch: a projection that ends a
     sub-layer (o_proj, down_proj) with the residual add as its epilogue.
 
@@ -479,7 +487,8 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
     if residual.dtype != x.dtype:
         raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
     args.shape("residual", residual, (M, N))
-    out, _, sums = _launch(x, weight, None, None, 0.0, None, config, M, N, K, add=residual)
+    out, _, sums = _launch(x, weight, None, None, 0.0, None, config, M, N, K, add=residual,
+                           pdl_on=args.flag("pdl", pdl))
     return out, sums
 
 

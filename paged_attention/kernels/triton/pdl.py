@@ -1,0 +1,96 @@
+"""Programmatic dependent launch (PDL): the next kernel starts while this one finishes.
+
+A decode step on a small batch is a chain of short kernels, each waiting for the one before: a
+kernel's programs are placed on the SMs only when its predecessor has finished, and then spend
+their first microsecond waiting for the weights they read from memory. On Hopper (compute
+capability 9.0) and later a kernel launched with PDL may start early, and each kernel splits in
+two:
+
+* before ``wait(PDL)``: reads of what no kernel of the step writes (a layer's weights), so that
+  they are already on their way when the predecessor ends;
+* ``wait(PDL)`` (``griddepcontrol.wait``): blocks until the previous kernel has completed and its
+  writes are visible; everything that reads the previous kernel's output comes after it.
+
+``launch_dependents(PDL)`` tells the GPU that the next kernel may be placed now. Where a kernel
+calls it does not change what it computes (the next kernel's own ``wait`` still waits for this one
+to complete); it only lets the next kernel's weight reads overlap this one's work.
+
+Every kernel launched with ``launch_pdl=True`` must call ``wait`` before it touches anything that an
+earlier kernel of the step writes, or it could read it before it is written. A kernel launched
+without PDL (cuBLAS, torch's) simply waits for its predecessor, as always. CUDA graphs keep these
+edges, so a captured decode step replays with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+try:    # Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:     # pragma: no cover - an older Triton: no PDL
+    gdc_launch_dependents = gdc_wait = None
+
+_enabled = True
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: a GPU of compute capability 9.0 or later,
+    a Triton that has grid dependency control, not Triton's interpreter, and not switched off
+    (``set_enabled(False)``, or ``PAGED_ATTENTION_PDL=0`` in the environment)."""
+    if not _enabled or device.type != "cuda" or gdc_wait is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def set_enabled(on: bool) -> None:
+    """Switch PDL on or off for kernels planned or launched from now on (an ablation's knob;
+    plans and CUDA graphs made before keep the launches they were made with)."""
+    global _enabled
+    if not isinstance(on, bool):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    _enabled = on
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """``with pdl.disabled():`` launches made inside go without PDL."""
+    before = _enabled
+    set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(before)
+
+
+if os.environ.get("PAGED_ATTENTION_PDL", "1") == "0":
+    set_enabled(False)
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait for the previous kernel's completion (and see its writes), when launched with PDL."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel be placed on the GPU now, when launched with PDL."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+__all__ = ["enabled", "set_enabled", "disabled", "wait", "launch_dependents"]
