@@ -52,6 +52,11 @@ def shapes(smoke: bool) -> list[tuple[str, int, int]]:
     return [("qkv", QKV, HIDDEN), ("gate_up", INTER, HIDDEN), ("o_proj", HIDDEN, HIDDEN), ("down", HIDDEN, INTER)]
 
 
+PDL = True
+"""The fused calls launch with programmatic dependent launch where the GPU has it, as the model's
+do (each call's weight read overlapping the previous call's end); ``--no-pdl`` turns it off."""
+
+
 def make_pair(name: str, M: int, N: int, K: int, dtype, device, config=None):
     """The fused and the unfused callable of one projection at M rows, on fixed random inputs,
     as the model runs them:
@@ -91,7 +96,7 @@ def make_pair(name: str, M: int, N: int, K: int, dtype, device, config=None):
 
         def fused():
             return fl.norm_linear(stream, norm_weight, layers[next(turn)], EPS, act=act, config=config,
-                                  sum_sq=sum_sq)[0]
+                                  sum_sq=sum_sq, pdl=PDL)[0]
 
         def unfused():
             out = F.linear(add_rms_norm(x, norm_weight, EPS, res_unfused), layers[next(turn_unfused)])
@@ -105,7 +110,7 @@ def make_pair(name: str, M: int, N: int, K: int, dtype, device, config=None):
         residual = torch.randn(M, N, generator=g).to(device, dtype)
 
         def fused():
-            return fl.linear_add(x, layers[next(turn)], residual, config=config)[0]
+            return fl.linear_add(x, layers[next(turn)], residual, config=config, pdl=PDL)[0]
 
         def unfused():
             return F.linear(x, layers[next(turn_unfused)])
@@ -150,7 +155,7 @@ def run_layer(Ms, dtype, device, smoke: bool) -> None:
     # Fused with and without programmatic dependent launch (each kernel reading its weights
     # while the one before finishes), where the GPU has it.
     variants = [("unfused", 0, False), ("fused", 1 << 20, False)]
-    if pdl.enabled(device):
+    if PDL and pdl.enabled(device):
         variants.append(("fused+pdl", 1 << 20, True))
     faster = []
     for M in Ms:
@@ -359,7 +364,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="sweep the tile configurations (instead of the table)")
     parser.add_argument("--table", action="store_true", help="with --sweep: the table too, first")
     parser.add_argument("--layer", action="store_true", help="a whole layer's projections and norms, fused or not")
+    parser.add_argument("--no-pdl", action="store_true", help="fused calls without programmatic dependent launch")
     a = parser.parse_args(argv)
+    global PDL
+    PDL = not a.no_pdl
 
     import torch
 

@@ -226,14 +226,16 @@ class PagedAttention:
         return self.impl == "triton"
 
     def decode(self, query: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
-               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pdl: bool = False
+               ) -> torch.Tensor:
         """One new token per request: one kernel call for the whole batch.
 
         No host reads (``check_ids=False``, the bound ``batch.max_seq_len`` passed in), so the
         call can be captured in a CUDA graph. With ``rope=(cos_sin, positions, slot_mapping)``
         (``fuses_rope`` only): ``query`` is the query columns of the QKV projection, unrotated,
         and the kernel rotates them and writes each new token's key and value first
-        (``paged_attention_decode``'s ``rope``).
+        (``paged_attention_decode``'s ``rope``). ``pdl=True`` (with ``rope``): the kernel may start
+        while the previous one (the QKV projection) ends (``kernels.triton.pdl``).
         """
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if rope is None:
@@ -241,7 +243,7 @@ class PagedAttention:
         elif not self.fuses_rope:
             raise ValueError(f"attention={self.impl!r} does not fuse the rotary embedding into its decode kernel")
         else:
-            self._decode(self, out, query, kv_cache[0], kv_cache[1], batch, rope)
+            self._decode(self, out, query, kv_cache[0], kv_cache[1], batch, rope, pdl)
         return out
 
     def mixed(self, query: torch.Tensor, kv_cache: KVCache, batch: ForwardBatch,
@@ -336,10 +338,10 @@ def _kernels(impl: str) -> tuple[Callable[..., None], DecodeFn]:
     if impl == "triton":
         from paged_attention.kernels import triton as kernels
 
-        def decode(attn, out, query, key_cache, value_cache, batch, rope=None):
+        def decode(attn, out, query, key_cache, value_cache, batch, rope=None, pdl=False):
             kernels.paged_attention_decode(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                                            attn.scale, max_seq_len=batch.max_seq_len, check_ids=False, rope=rope,
-                                           pdl=rope is not None)
+                                           pdl=pdl)
         return functools.partial(kernels.reshape_and_cache_flash, check_slots=False), decode
 
     if impl == "vllm":

@@ -261,7 +261,10 @@ class FusedLayerOps:
         # One launch: Triton's decode kernel rotates the queries and the new keys, writes the keys
         # and values to their slots, then attends.
         q = qkv[:, :self.heads * self.head_dim].view(qkv.size(0), self.heads, self.head_dim)
-        return self.attn.decode(q, kv_cache, batch, rope=(self.cos_sin, positions, batch.slot_mapping))
+        # With PDL only between fused projections (Triton's, which wait for it): cuBLAS's next
+        # kernel would gain nothing from an early start.
+        return self.attn.decode(q, kv_cache, batch, rope=(self.cos_sin, positions, batch.slot_mapping),
+                                pdl=qkv.size(0) <= self._small_batch)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = gate_up.new_empty(gate_up.size(0), gate_up.size(1) // 2)

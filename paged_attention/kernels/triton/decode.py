@@ -67,15 +67,12 @@ def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq
     """A decode step's rotary embedding and cache write, done by the attention kernel itself.
 
     ``row`` is the sequence's row of the fused QKV projection: ``num_heads`` query heads, then
-    ``num_kv_heads`` key heads, then as many value heads, ``head_stride`` (= D) apart. Returns
-    ``(q, k, v, writes)``: this program's query heads ``q`` rotated by the new token's position
-    (float32 maths, rounded to the dtype, as the rotary kernel stores them), and the new token's
-    key (rotated) and value of this KV head as the cache holds them. ``writes``: whether this
-    program's range of the context holds the new token (the sequence's last, ``seq_len - 1``) and
-    its slot is a real one; that program stores the key and value at the slot (none for a
-    negative slot), and its loop takes that token's row from ``k`` and ``v`` rather than reading
-    back what it has just stored: no barrier between the store and the loop, whose first loads
-    can then be on their way already.
+    ``num_kv_heads`` key heads, then as many value heads, ``head_stride`` (= D) apart. Returns this
+    program's query heads ``q`` rotated by the new token's position (float32 maths, rounded to
+    the dtype, as the rotary kernel stores them). The program whose range of the context holds the
+    new token (the sequence's last, ``seq_len - 1``) also rotates that token's key of this KV head
+    and stores it, with the value, at the token's slot (none for a negative slot); then a barrier,
+    so that the loop that follows reads the slot back as any other.
     """
     HALF = BLOCK_D // 2
     pos = tl.load(pos_ptr + seq).to(tl.int64)
@@ -92,14 +89,16 @@ def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq
     writes = (start <= last) & (last < end) & (slot >= 0)
     key = row + (num_heads + kv_head) * head_stride
     value = row + (num_heads + num_kv_heads + kv_head) * head_stride
-    k = _rotate_half(tl.load(key + d), tl.load(key + partner), cos, sin, first_half).to(k_cache_ptr.dtype.element_ty)
-    v = tl.load(value + d).to(v_cache_ptr.dtype.element_ty)
+    k = _rotate_half(tl.load(key + d), tl.load(key + partner), cos, sin, first_half)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     mask = (tl.zeros([BLOCK_D], tl.int32) + writes.to(tl.int32)) != 0
-    tl.store(k_cache_ptr + blk * k_stride_blk + off * k_stride_tok + kv_head * k_stride_head + d, k, mask=mask)
-    tl.store(v_cache_ptr + blk * v_stride_blk + off * v_stride_tok + kv_head * v_stride_head + d, v, mask=mask)
-    return q, k, v, writes
+    tl.store(k_cache_ptr + blk * k_stride_blk + off * k_stride_tok + kv_head * k_stride_head + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * v_stride_blk + off * v_stride_tok + kv_head * v_stride_head + d,
+             tl.load(value + d), mask=mask)
+    tl.debug_barrier()
+    return q
 
 
 @triton.jit
@@ -150,7 +149,7 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + seq * q_stride_s + head[:, None] * q_stride_h + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if ROPE:
-        q, k_new, v_new, writes = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq,
+        q = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq,
                             seq_len, start, end, kv_head, num_heads, tl.num_programs(1), q_stride_h,
                             k_cache_ptr, v_cache_ptr, k_stride_blk, k_stride_tok, k_stride_head,
                             v_stride_blk, v_stride_tok, v_stride_head, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE)
@@ -170,11 +169,6 @@ def _paged_decode_kernel(
         k, v = load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
                             k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
                             BLOCK_SIZE=BLOCK_SIZE, OFFSETS_64=OFFSETS_64)   # [TILE_N, BLOCK_D] each
-        if ROPE:
-            # The new token's row from the registers (its store above may not have landed yet).
-            new = ((n == seq_len - 1) & writes)[:, None]
-            k = tl.where(new, k_new[None, :], k)
-            v = tl.where(new, v_new[None, :], v)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_G, TILE_N]
         if USE_ALIBI:
@@ -530,10 +524,8 @@ def paged_attention_decode(
     cache write as well (``check_rope``), so that a decode layer needs no launch for them: ``query``
     is then the query columns of the fused QKV projection's output, not yet rotated (the rows go
     on with the keys and values), and each sequence's new token, its last, is rotated by
-    ``positions``, stored at ``slot_mapping`` and attended to, as ``layer_ops.rotary_and_cache_``
-    then this function would. (The kernel attends to the new token from its registers, so its slot
-    must be the one the block table gives for it, as a scheduler's slot mapping is; a negative
-    slot stores nothing and reads that token from the cache.)
+    ``positions`` and stored at ``slot_mapping`` before it is attended to, as
+    ``layer_ops.rotary_and_cache_`` then this function would.
 
     ``pdl=True`` launches the kernel with programmatic dependent launch where the GPU has it
     (``pdl.py``): it may start while the previous kernel on the stream still runs, and reads
