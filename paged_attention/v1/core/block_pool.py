@@ -134,11 +134,13 @@ class BlockPool:
 
     def _insert_block_hash(self, key: BlockHashWithGroupId, block: KVCacheBlock,
                            num_tokens: int | None) -> None:
-        if block.block_hash == key or self.cached_block_hash_to_block.contain(key,
-                                                                              block.block_id):
-            return
+        # A block gets its own hash before any other key, and loses all its keys together, so
+        # one with no hash (a newly full block, the usual case) is cached under no key yet.
         if block.block_hash is None:
             block.set_block_hash(key, num_tokens)
+        elif block.block_hash == key or self.cached_block_hash_to_block.contain(key,
+                                                                                block.block_id):
+            return
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
@@ -211,6 +213,8 @@ class BlockPool:
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Forget ``block``'s hashes (it is about to hold something else). Whether it had any."""
+        if block.block_hash is None:
+            return False    # never cached, or evicted already: no key names it
         return bool(self._remove_cached_block_hashes(block))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
