@@ -169,14 +169,14 @@ class BlockPool:
         if num_full_blocks > len(hashes):
             raise ValueError(f"request {request.request_id} has hashes for {len(hashes)} "
                              f"blocks of {block_size} tokens, not {num_full_blocks}")
-        new_blocks = blocks[num_cached_blocks:num_full_blocks]
-        if block_mask is not None and len(block_mask) != len(new_blocks):
+        if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
             raise ValueError("block_mask must have one entry per newly full block")
-        for i, block in enumerate(new_blocks):
-            if block.is_null or (block_mask is not None and not block_mask[i]):
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
-            num_tokens = (num_cached_blocks + i + 1) * block_size
-            key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
+            num_tokens = (i + 1) * block_size
+            key = make_block_hash_with_group_id(hashes[i], kv_cache_group_id)
             if block.block_hash is not None:
                 # A block cached for a shorter prefix, now full: its old keys go.
                 self._remove_cached_block_hashes(block)
@@ -249,9 +249,10 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        for block in blocks:
-            if self.enable_caching:
+        if self.enable_caching:
+            for block in blocks:
                 self._maybe_evict_cached_block(block)
+        for block in blocks:
             block.ref_cnt += 1
         return blocks
 
