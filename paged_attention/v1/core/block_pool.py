@@ -282,23 +282,24 @@ class BlockPool:
         """
         blocks = [b for b in ordered_blocks if not b.is_null]
         self._check_own(blocks)
-        # A block freed more often than it is used: only possible if one repeats or one is
-        # unused already; only then are the blocks counted (a request's blocks are distinct).
-        if len({b.block_id for b in blocks}) != len(blocks) or any(b.ref_cnt < 1 for b in blocks):
-            counts = Counter(b.block_id for b in blocks)
-            over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
-            if over:
-                raise ValueError(f"blocks {sorted(over)} would be freed more often than they "
-                                 "are used")
         to_front, to_back = [], []
         caching = self.enable_caching
-        for block in blocks:
+        for num_done, block in enumerate(blocks):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None or not caching:
                     to_front.append(block)
                 else:
                     to_back.append(block)
+            elif block.ref_cnt < 0:
+                # Freed once too often (it repeats, or had no user): undo the counts so far,
+                # before the queue is touched, and name every such block.
+                for b in blocks[:num_done + 1]:
+                    b.ref_cnt += 1
+                counts = Counter(b.block_id for b in blocks)
+                over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
+                raise ValueError(f"blocks {sorted(over)} would be freed more often than they "
+                                 "are used")
         self.free_block_queue.prepend_n(to_front)
         self.free_block_queue.append_n(to_back)
 
