@@ -267,8 +267,8 @@ def test_bad_calls_change_nothing():
         pool.get_new_blocks(4)                            # 3 free
     with pytest.raises(ValueError):
         pool.get_new_blocks(-1)
-    with pytest.raises(ValueError):
-        pool.free_blocks([blocks[0], blocks[0]])          # used once, freed twice
+    with pytest.raises(ValueError, match=r"blocks \[1\] would"):
+        pool.free_blocks([blocks[1], blocks[0], blocks[0]])   # block 1 used once, freed twice
     with pytest.raises(ValueError):
         pool.free_blocks([blocks[1], pool.blocks[5]])     # the second is free already
     other = BlockPool(6, enable_caching=True, hash_block_size=4).blocks[3]

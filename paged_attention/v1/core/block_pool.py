@@ -134,11 +134,13 @@ class BlockPool:
 
     def _insert_block_hash(self, key: BlockHashWithGroupId, block: KVCacheBlock,
                            num_tokens: int | None) -> None:
-        if block.block_hash == key or self.cached_block_hash_to_block.contain(key,
-                                                                              block.block_id):
-            return
+        # A block gets its own hash before any other key, and loses all its keys together, so
+        # one with no hash (a newly full block, the usual case) is cached under no key yet.
         if block.block_hash is None:
             block.set_block_hash(key, num_tokens)
+        elif block.block_hash == key or self.cached_block_hash_to_block.contain(key,
+                                                                                block.block_id):
+            return
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
@@ -167,14 +169,14 @@ class BlockPool:
         if num_full_blocks > len(hashes):
             raise ValueError(f"request {request.request_id} has hashes for {len(hashes)} "
                              f"blocks of {block_size} tokens, not {num_full_blocks}")
-        new_blocks = blocks[num_cached_blocks:num_full_blocks]
-        if block_mask is not None and len(block_mask) != len(new_blocks):
+        if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
             raise ValueError("block_mask must have one entry per newly full block")
-        for i, block in enumerate(new_blocks):
-            if block.is_null or (block_mask is not None and not block_mask[i]):
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
-            num_tokens = (num_cached_blocks + i + 1) * block_size
-            key = make_block_hash_with_group_id(hashes[num_cached_blocks + i], kv_cache_group_id)
+            num_tokens = (i + 1) * block_size
+            key = make_block_hash_with_group_id(hashes[i], kv_cache_group_id)
             if block.block_hash is not None:
                 # A block cached for a shorter prefix, now full: its old keys go.
                 self._remove_cached_block_hashes(block)
@@ -211,6 +213,8 @@ class BlockPool:
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Forget ``block``'s hashes (it is about to hold something else). Whether it had any."""
+        if block.block_hash is None:
+            return False    # never cached, or evicted already: no key names it
         return bool(self._remove_cached_block_hashes(block))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -245,9 +249,10 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
                              f"({self.get_num_free_blocks()} free)")
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        for block in blocks:
-            if self.enable_caching:
+        if self.enable_caching:
+            for block in blocks:
                 self._maybe_evict_cached_block(block)
+        for block in blocks:
             block.ref_cnt += 1
         return blocks
 
@@ -277,23 +282,24 @@ class BlockPool:
         """
         blocks = [b for b in ordered_blocks if not b.is_null]
         self._check_own(blocks)
-        # A block freed more often than it is used: only possible if one repeats or one is
-        # unused already; only then are the blocks counted (a request's blocks are distinct).
-        if len({b.block_id for b in blocks}) != len(blocks) or any(b.ref_cnt < 1 for b in blocks):
-            counts = Counter(b.block_id for b in blocks)
-            over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
-            if over:
-                raise ValueError(f"blocks {sorted(over)} would be freed more often than they "
-                                 "are used")
         to_front, to_back = [], []
         caching = self.enable_caching
-        for block in blocks:
+        for num_done, block in enumerate(blocks):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None or not caching:
                     to_front.append(block)
                 else:
                     to_back.append(block)
+            elif block.ref_cnt < 0:
+                # Freed once too often (it repeats, or had no user): undo the counts so far,
+                # before the queue is touched, and name every such block.
+                for b in blocks[:num_done + 1]:
+                    b.ref_cnt += 1
+                counts = Counter(b.block_id for b in blocks)
+                over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
+                raise ValueError(f"blocks {sorted(over)} would be freed more often than they "
+                                 "are used")
         self.free_block_queue.prepend_n(to_front)
         self.free_block_queue.append_n(to_back)
 

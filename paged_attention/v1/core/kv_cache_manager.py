@@ -81,7 +81,7 @@ class KVCacheBlocks:
                       group_ids: Sequence[int] | None = None) -> tuple[list[int], ...] | None:
         """One list of block ids per group (None, with ``allow_none``, if all are empty)."""
         groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
-        if allow_none and all(len(g) == 0 for g in groups):
+        if allow_none and not any(groups):
             return None
         return tuple([b.block_id for b in g] for g in groups)
 
