@@ -164,12 +164,26 @@ class FusedLayerOps:
     neighbours fused in: the norm in front of QKV and gate-up (from the sums of squares the
     previous ``linear_add`` handed over), SwiGLU behind gate-up, the residual add behind o_proj
     and down. Above it: cuBLAS's projections, with the add and the norm in one kernel between
-    them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --layer``,
-    bf16, SmolLM2-135M's 30 layers, each with its own weights as in the model, their projections
-    and norms in a CUDA graph): the fused layer takes 0.59x the unfused one's time at one row,
-    0.62x at two, 0.80x at four, as long at eight, and longer from 16 rows on, where cuBLAS's
-    tensor-core kernels read the weights better than these tiles do. Hence the default:
-    ``fused_linear.CUDA_CORE_ROWS`` (4), the rows where the kernels multiply on
+    them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --sweep
+    --layer``, bf16, SmolLM2-135M's 30 layers, each with its own weights as in the model, their
+    projections and norms in a CUDA graph, graph us per layer, unfused / fused):
+
+    ======  ======  =======================  =========================
+    rows    cuBLAS  fused                    fused, launched with PDL
+    ======  ======  =======================  =========================
+    1       23.9    15.1                     11.9
+    4       24.2    19.8                     17.3
+    16      24.2    26.2                     22.2
+    64      25.2    26.5                     23.9
+    128     25.8    28.3                     24.8
+    ======  ======  =======================  =========================
+
+    Without programmatic dependent launch each kernel waits for the one before to end, then for
+    its weights, and cuBLAS's tensor-core kernels win from eight rows on; with it (``pdl.py``: a
+    GPU of compute capability 9.0 or later) the next kernel's weights are read while this one
+    finishes, and the fused layer wins up to 128 rows (at 256 cuBLAS, 26.8 against 38.9 without
+    PDL). Hence the default ``small_batch``: ``fused_linear.PDL_ROWS`` (128) where kernels launch
+    with PDL, else ``fused_linear.CUDA_CORE_ROWS`` (4), the rows where the kernels multiply on
     the CUDA cores. The tiles are ``fused_linear.default_config``'s unless ``linear_config`` is
     set (a ``FusedLinearConfig``, or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
 
@@ -197,16 +211,16 @@ class FusedLayerOps:
         self._with_cache = attn.layout == "flash"
         self._rope_cache: dict[tuple, Launcher] = {}        # by the caches' strides and block size
         self._kernels, self._launcher, self._next_power_of_2 = k, Launcher, next_power_of_2
-        from paged_attention.kernels.triton import fused_linear
+        from paged_attention.kernels.triton import fused_linear, pdl
         self._fused_linear, self._eps = fused_linear, float(config.rms_norm_eps)
         self._linear_launchers: dict[tuple, Launcher] = {}
-        self.small_batch = fused_linear.CUDA_CORE_ROWS
+        self.small_batch = fused_linear.PDL_ROWS if pdl.enabled(rotary.cos_sin.device) else fused_linear.CUDA_CORE_ROWS
         self.linear_config = None
 
     @property
     def small_batch(self) -> int:
-        """The most token rows that take the fused projection kernels (``fused_linear.CUDA_CORE_ROWS`` by
-        default)."""
+        """The most token rows that take the fused projection kernels (``fused_linear.PDL_ROWS`` or
+        ``CUDA_CORE_ROWS`` by default, see the class docstring)."""
         return self._small_batch
 
     @small_batch.setter

@@ -246,53 +246,58 @@ class FusedLinearConfig(NamedTuple):
 CUDA_CORE_ROWS = 4
 """Up to this many rows, ``default_config``'s rule takes the CUDA-core product (``_mma``)."""
 
+PDL_ROWS = 128
+"""Up to this many rows a model's layer takes these kernels where they launch with PDL (measured:
+``FusedLayerOps``'s docstring); without PDL, up to ``CUDA_CORE_ROWS``."""
+
 TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
     (960, 576, False): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
-        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
-        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (1536, 576, True): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1),
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
-        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
         128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (576, 576, False): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
-        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
     },
     (576, 1536, False): {
         1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=1),
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=1),
-        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=2048, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
-        16: FusedLinearConfig(BLOCK_M=8, BLOCK_N=2, BLOCK_K=512, num_warps=4, num_stages=2),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-        128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        128: FusedLinearConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
     },
 }
 """Measured best tiles, ``{(N, K, silu_and_mul): {M: config}}``, for the shapes a model runs:
 SmolLM2-135M's four projections as the model calls them (QKV and gate-up normalising a stream
 from a ``linear_add``'s sums of squares; o_proj and down as ``linear_add``), measured by
 ``benchmarks/bench_fused_linear.py --sweep`` on an NVIDIA H200 (bf16, in CUDA graphs, each call
-reading its own layer's weights from memory, as in a model's step).
+reading its own layer's weights from memory, as in a model's step, and launched with PDL, as the
+model launches them).
 ``default_config`` takes the entry of the smallest measured M at or above the token count;
 shapes and token counts not in it get the rule."""
 
