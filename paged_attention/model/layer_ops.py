@@ -164,26 +164,28 @@ class FusedLayerOps:
     neighbours fused in: the norm in front of QKV and gate-up (from the sums of squares the
     previous ``linear_add`` handed over), SwiGLU behind gate-up, the residual add behind o_proj
     and down. Above it: cuBLAS's projections, with the add and the norm in one kernel between
-    them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --sweep
-    --layer``, bf16, SmolLM2-135M's 30 layers, each with its own weights as in the model, their
-    projections and norms in a CUDA graph, graph us per layer, unfused / fused):
+    them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --layer``,
+    bf16, SmolLM2-135M's 30 layers, each with its own weights as in the model, their projections
+    and norms in a CUDA graph, graph us per layer):
 
-    ======  ======  =======================  =========================
-    rows    cuBLAS  fused                    fused, launched with PDL
-    ======  ======  =======================  =========================
-    1       23.9    15.1                     11.9
-    4       24.2    19.8                     17.3
-    16      24.2    26.2                     22.2
-    64      25.2    26.5                     23.9
-    128     25.8    28.3                     24.8
-    ======  ======  =======================  =========================
+    ======  ======  =====  ========================
+    rows    cuBLAS  fused  fused, launched with PDL
+    ======  ======  =====  ========================
+    1       21.6    13.4   10.9
+    8       24.0    23.5   20.4
+    16      24.2    26.3   21.2
+    64      25.2    26.4   23.0
+    128     25.9    28.4   23.1
+    ======  ======  =====  ========================
 
     Without programmatic dependent launch each kernel waits for the one before to end, then for
-    its weights, and cuBLAS's tensor-core kernels win from eight rows on; with it (``pdl.py``: a
-    GPU of compute capability 9.0 or later) the next kernel's weights are read while this one
-    finishes, and the fused layer wins up to 128 rows (at 256 cuBLAS, 26.8 against 38.9 without
-    PDL). Hence the default ``small_batch``: ``fused_linear.PDL_ROWS`` (128) where kernels launch
-    with PDL, else ``fused_linear.CUDA_CORE_ROWS`` (4), the rows where the kernels multiply on
+    its weights, and cuBLAS's tensor-core kernels win from 16 rows on. With it (``pdl.py``: a GPU
+    of compute capability 9.0 or later) the next kernel's weights are on their way while this one
+    finishes, and the fused layer wins at every count measured here. In the engine's decode steps
+    it did up to 64 requests, not at 128 (1.10 against 1.04-1.06 ms of GPU time a step, the
+    attention kernel included). Hence the default
+    ``small_batch``: ``fused_linear.PDL_ROWS`` (64) where kernels launch with PDL, else
+    ``fused_linear.CUDA_CORE_ROWS`` (4), the rows where the kernels multiply on
     the CUDA cores. The tiles are ``fused_linear.default_config``'s unless ``linear_config`` is
     set (a ``FusedLinearConfig``, or a function ``(M, N, K, silu_and_mul) -> FusedLinearConfig``)."""
 

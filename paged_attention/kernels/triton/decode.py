@@ -102,6 +102,27 @@ def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq
 
 
 @triton.jit
+def _prefetch_context(k_head, v_head, table, bt_stride_b, start, end, k_stride_blk, k_stride_tok, v_stride_blk,
+                      v_stride_tok, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                      OFFSETS_64: tl.constexpr):
+    """``pdl.prefetch`` the keys and values of tokens ``[start, end)`` of one KV head, found through
+    the block table as ``load_kv_tile`` finds them: a 64-byte sector every 32 elements of a row."""
+    STEPS: tl.constexpr = (BLOCK_D + 31) // 32
+    d = tl.arange(0, STEPS) * 32
+    for t0 in range(start, end, TILE_N):
+        n = t0 + tl.arange(0, TILE_N)
+        n_mask = n < end
+        block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
+        row = n % BLOCK_SIZE
+        if OFFSETS_64:
+            block = block.to(tl.int64)
+            row = row.to(tl.int64)
+        mask = n_mask[:, None] & (d < BLOCK_D)[None, :]
+        _pdl.prefetch(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :], mask, k_head)
+        _pdl.prefetch(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :], mask, v_head)
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
@@ -136,6 +157,14 @@ def _paged_decode_kernel(
     # The last split runs to the sequence's end, so a too-small max_seq_len (unchecked when
     # check_ids=False) costs balance, never tokens.
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(start + tokens_per_split, seq_len))
+    if PDL:
+        # While the previous kernel (the QKV projection) ends: ask the L2 cache for this program's
+        # keys and values. They are this layer's cache, which no kernel of the step but this one
+        # writes (the new token's row, after the wait: the line is fetched again then).
+        _prefetch_context(k_cache_ptr + kv_head * k_stride_head, v_cache_ptr + kv_head * v_stride_head,
+                          block_tables_ptr + seq.to(tl.int64) * bt_stride_s, bt_stride_b, start, end,
+                          k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
+                          BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, OFFSETS_64=OFFSETS_64)
     _pdl.wait(PDL)                                      # the queries are the previous kernel's output
     _pdl.launch_dependents(PDL)
 

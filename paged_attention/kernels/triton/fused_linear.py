@@ -153,12 +153,14 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
         norm_w = tl.load(norm_weight_ptr + k * stride_nw, mask=k < K, other=0.0)
     # Launched with PDL, this kernel may be running before the previous one has finished: the
     # weights are no kernel's output, everything below (the stream, its sums) is. The K chunks
-    # after the first are asked of the L2 cache meanwhile, for the loop below to find there.
+    # after the first are asked of the L2 cache meanwhile, for the loop below to find there (by
+    # the first row tile's programs: the others read the same weights).
     if PDL:
-        _pdl.prefetch_rows(weight_ptr, cols, n_mask, BLOCK_K, K, stride_wn, stride_wk, STEP=32)
-        if SILU_AND_MUL:
-            _pdl.prefetch_rows(weight_ptr + N * stride_wn, cols, n_mask, BLOCK_K, K, stride_wn, stride_wk,
-                               STEP=32)
+        if pid_m == 0:
+            _pdl.prefetch_rows(weight_ptr, cols, n_mask, BLOCK_K, K, stride_wn, stride_wk, STEP=32)
+            if SILU_AND_MUL:
+                _pdl.prefetch_rows(weight_ptr + N * stride_wn, cols, n_mask, BLOCK_K, K, stride_wn, stride_wk,
+                                   STEP=32)
     _pdl.wait(PDL)
     _pdl.launch_dependents(PDL)
     a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
@@ -252,7 +254,7 @@ class FusedLinearConfig(NamedTuple):
 CUDA_CORE_ROWS = 4
 """Up to this many rows, ``default_config``'s rule takes the CUDA-core product (``_mma``)."""
 
-PDL_ROWS = 128
+PDL_ROWS = 64
 """Up to this many rows a model's layer takes these kernels where they launch with PDL (measured:
 ``FusedLayerOps``'s docstring); without PDL, up to ``CUDA_CORE_ROWS``."""
 

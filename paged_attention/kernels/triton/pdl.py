@@ -94,19 +94,23 @@ def launch_dependents(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch(ptrs, mask, base):
+    """Ask the L2 cache for the lines at ``ptrs`` (where ``mask``; ``base``, an address in bounds,
+    elsewhere) without waiting for them: a PDL kernel's way to have what it will read on its way
+    while it waits for the previous kernel (``prefetch.global.L2``, a hint: no data comes back)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, base)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_rows(ptr, rows, row_mask, start, length, stride_row, stride_col, STEP: tl.constexpr):
-    """Ask the L2 cache for elements ``[start, length)`` of rows ``rows`` (where ``row_mask``) of
-    a matrix, ``STEP`` columns apart (a 64-byte sector's worth or less), without waiting for them:
-    a PDL kernel's way to have the weights it will read in a loop on their way while it waits for
-    the previous kernel (``prefetch.global.L2``, a hint: no data comes back, nothing can fault).
-    Masked-off addresses point at the first element instead."""
+    """``prefetch`` elements ``[start, length)`` of rows ``rows`` (where ``row_mask``) of a matrix
+    at ``ptr``, every ``STEP``-th column (a 64-byte sector's worth or less)."""
     c = tl.arange(0, STEP)
     for c0 in range(start, length, STEP * STEP):
         cols = c0 + c * STEP
-        mask = row_mask[:, None] & (cols < length)[None, :]
-        ptrs = ptr + tl.where(mask, rows[:, None] * stride_row + cols[None, :] * stride_col, 0)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        prefetch(ptr + rows[:, None] * stride_row + cols[None, :] * stride_col,
+                 row_mask[:, None] & (cols < length)[None, :], ptr)
 
 
-__all__ = ["enabled", "set_enabled", "disabled", "wait", "launch_dependents", "prefetch_rows"]
+__all__ = ["enabled", "set_enabled", "disabled", "wait", "launch_dependents", "prefetch", "prefetch_rows"]
