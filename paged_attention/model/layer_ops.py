@@ -166,7 +166,7 @@ class FusedLayerOps:
     and down. Above it: cuBLAS's projections, with the add and the norm in one kernel between
     them, and SwiGLU in another. Measured on an H200 (``benchmarks/bench_fused_linear.py --layer``,
     bf16, SmolLM2-135M's 30 layers, each with its own weights as in the model, their projections
-    and norms in a CUDA graph, graph us per layer):
+    and norms in a CUDA graph, graph us per layer, the PDL sweep's tiles at every row count):
 
     ======  ======  =====  ========================
     rows    cuBLAS  fused  fused, launched with PDL

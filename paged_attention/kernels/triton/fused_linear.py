@@ -260,9 +260,9 @@ PDL_ROWS = 64
 
 TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
     (960, 576, False): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
-        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
-        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
@@ -270,7 +270,7 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (1536, 576, True): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
@@ -280,8 +280,8 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (576, 576, False): {
-        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
-        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+        1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+        2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
@@ -292,7 +292,7 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
     (576, 1536, False): {
         1: FusedLinearConfig(BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=1),
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=2048, num_warps=4, num_stages=1),
-        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=2048, num_warps=8, num_stages=1),
+        4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
@@ -305,7 +305,10 @@ SmolLM2-135M's four projections as the model calls them (QKV and gate-up normali
 from a ``linear_add``'s sums of squares; o_proj and down as ``linear_add``), measured by
 ``benchmarks/bench_fused_linear.py --sweep`` on an NVIDIA H200 (bf16, in CUDA graphs, each call
 reading its own layer's weights from memory, as in a model's step, and launched with PDL, as the
-model launches them).
+model launches them). The entries of 1 to 4 rows are those of the sweep before PDL: the PDL sweep's
+own were at most 0.7 us faster, and another tile sums a row's products in another order, which is
+enough to turn a greedy token (in notebook 08, a tight pool's outputs then differed from a roomy
+one's, where these give the same).
 ``default_config`` takes the entry of the smallest measured M at or above the token count;
 shapes and token counts not in it get the rule."""
 
