@@ -432,9 +432,9 @@ def test_fused_ops_take_the_configured_tiles(monkeypatch):
 
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_model_fused_equals_unfused(dtype):
-    """The tiny random model, fused and not, on a prefill of two requests (fused: under
-    ``small_batch`` rows), a longer prompt (over it: the norm kernel then F.linear) and decode
-    steps: the same logits."""
+    """The tiny random model, fused and not, on a prefill of two requests, a longer prompt (steps
+    with prompt tokens take the norm kernel then F.linear, whatever their size) and decode steps
+    (fused: under ``small_batch`` rows): the same logits."""
     from tests.test_model import Pager
     weights = random_weights(CONFIG, seed=4)
     models = [LlamaForCausalLM(CONFIG, weights, attention="reference", dtype=dtype, device=DEV, fused=f)
@@ -455,6 +455,21 @@ def test_model_fused_equals_unfused(dtype):
     # sums of squares in, residual added) of each:
     kinds = {(k[0], k[1], k[3] > 0, k[4]) for k in models[1].ops._linear_launchers}
     assert kinds == {(True, False, False, False), (True, False, True, False), (False, False, False, True)}
+
+
+def test_only_decode_steps_take_the_fused_projections():
+    """A step with prompt tokens takes cuBLAS's projections even when it is small, so that a
+    prompt's numbers do not depend on the size of the step it ran in."""
+    _, fused_ops = _ops()
+    fused_ops.small_batch = 8
+    assert fused_ops.takes_fused(8, True) and not fused_ops.takes_fused(9, True)
+    assert not fused_ops.takes_fused(1, False) and not fused_ops.takes_fused(8, False)
+    x, w = torch.randn(3, CONFIG.hidden_size, device=DEV), torch.randn(CONFIG.hidden_size, CONFIG.hidden_size, device=DEV)
+    before = dict(fused_ops._linear_launchers)
+    fused_ops.linear_add(x, w, torch.zeros_like(x), decode=False)
+    assert fused_ops._linear_launchers == before                       # no fused launch made
+    fused_ops.linear_add(x, w, torch.zeros_like(x), decode=True)
+    assert len(fused_ops._linear_launchers) == len(before) + 1
 
 
 @pytest.mark.cuda

@@ -134,18 +134,19 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def norm_linear(self, stream: ResidualStream, norm_weight: torch.Tensor, weight: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_linear(self, stream: ResidualStream, norm_weight: torch.Tensor, weight: torch.Tensor, *,
+                    decode: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.add_norm(stream.hidden, stream.residual, norm_weight)
         return F.linear(x, weight), residual
 
-    def norm_linear_silu_mul(self, stream: ResidualStream, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_linear_silu_mul(self, stream: ResidualStream, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                             *, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.add_norm(stream.hidden, stream.residual, norm_weight)
         return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
 
     @staticmethod
-    def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> ResidualStream:
+    def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                   decode: bool = True) -> ResidualStream:
         # The add is left to the next norm (Hugging Face adds, then norms: the same arithmetic).
         return ResidualStream(F.linear(x, weight), residual)
 
@@ -159,8 +160,8 @@ class FusedLayerOps:
     layout; the v0 layout's writer (``attention="cuda"``) follows an in-place rotation. Launches go
     through ``Launcher``s made once: an eager step makes some two hundred.
 
-    Up to ``small_batch`` token rows (a decode step of up to that many requests), where a GEMM
-    library's fixed cost dominates, each projection is one ``fused_linear`` launch with its
+    In a decode step of up to ``small_batch`` requests (``takes_fused``), where a GEMM library's
+    fixed cost dominates, each projection is one ``fused_linear`` launch with its
     neighbours fused in: the norm in front of QKV and gate-up (from the sums of squares the
     previous ``linear_add`` handed over), SwiGLU behind gate-up, the residual add behind o_proj
     and down. Above it: cuBLAS's projections, with the add and the norm in one kernel between
@@ -280,7 +281,7 @@ class FusedLayerOps:
         # With PDL only between fused projections (Triton's, which wait for it): cuBLAS's next
         # kernel would gain nothing from an early start.
         return self.attn.decode(q, kv_cache, batch, rope=(self.cos_sin, positions, batch.slot_mapping),
-                                pdl=qkv.size(0) <= self._small_batch)
+                                pdl=self.takes_fused(qkv.size(0), True))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = gate_up.new_empty(gate_up.size(0), gate_up.size(1) // 2)
@@ -288,25 +289,34 @@ class FusedLayerOps:
             self._act((gate_up.size(0), self._act_cols), gate_up, out)
         return out
 
-    def norm_linear(self, stream: ResidualStream, norm_weight: torch.Tensor, weight: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if stream.hidden.size(0) > self._small_batch:
+    def takes_fused(self, rows: int, decode: bool) -> bool:
+        """Whether a projection of ``rows`` token rows takes the fused kernels: a decode step
+        (``decode``, one token a request) of up to ``small_batch`` requests. A step with prompt
+        tokens takes cuBLAS's whatever its size, so that a prompt's numbers do not depend on
+        whether its step was small (a request alone and in a batch then agree, as they did
+        before ``small_batch`` reached prompt sizes)."""
+        return decode and rows <= self._small_batch
+
+    def norm_linear(self, stream: ResidualStream, norm_weight: torch.Tensor, weight: torch.Tensor, *,
+                    decode: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.takes_fused(stream.hidden.size(0), decode):
             x, residual = self._add_norm_any_strides(stream, norm_weight)
             return F.linear(x, weight), residual
         out, residual, _ = self._fused(stream.hidden, weight, stream.residual, norm_weight, stream.sum_sq)
         return out, residual
 
-    def norm_linear_silu_mul(self, stream: ResidualStream, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        if stream.hidden.size(0) > self._small_batch:
+    def norm_linear_silu_mul(self, stream: ResidualStream, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                             *, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.takes_fused(stream.hidden.size(0), decode):
             x, residual = self._add_norm_any_strides(stream, norm_weight)
             return self.silu_and_mul(F.linear(x, gate_up_weight)), residual
         out, residual, _ = self._fused(stream.hidden, gate_up_weight, stream.residual, norm_weight, stream.sum_sq,
                                        silu=True)
         return out, residual
 
-    def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> ResidualStream:
-        if x.size(0) > self._small_batch:
+    def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+                   decode: bool = True) -> ResidualStream:
+        if not self.takes_fused(x.size(0), decode):
             # cuBLAS's projection; the add is left to the next norm kernel, which does it too.
             return ResidualStream(F.linear(x, weight), residual)
         out, _, sum_sq = self._fused(x, weight, add=residual)

@@ -180,16 +180,18 @@ class LlamaForCausalLM:
 
         stream = ResidualStream(self.embed_tokens[input_ids])               # [T, hidden]
         rope = ops.rope_inputs(positions)                                    # once for all layers
+        decode = batch.is_decode_only
         for layer, kv_cache in zip(self.layers, kv_caches):
-            qkv, residual = ops.norm_linear(stream, layer["input_layernorm"], layer["qkv_proj"])
-            if batch.is_decode_only:
+            qkv, residual = ops.norm_linear(stream, layer["input_layernorm"], layer["qkv_proj"], decode=decode)
+            if decode:
                 o = ops.decode_attention(qkv, rope, kv_cache, batch)
             else:
                 q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
                 o = self.attn.mixed(q, kv_cache, batch, split)
-            stream = ops.linear_add(o.reshape(-1, cfg.q_size), layer["o_proj"], residual)
-            act, residual = ops.norm_linear_silu_mul(stream, layer["post_attention_layernorm"], layer["gate_up_proj"])
-            stream = ops.linear_add(act, layer["down_proj"], residual)
+            stream = ops.linear_add(o.reshape(-1, cfg.q_size), layer["o_proj"], residual, decode=decode)
+            act, residual = ops.norm_linear_silu_mul(stream, layer["post_attention_layernorm"], layer["gate_up_proj"],
+                                                     decode=decode)
+            stream = ops.linear_add(act, layer["down_proj"], residual, decode=decode)
         if not batch.is_decode_only:
             # Only each request's last new token is sampled from: request i's is row query_start_loc[i+1] - 1.
             stream = stream.rows(batch.query_start_loc[1:].long() - 1)
