@@ -556,7 +556,8 @@ class Scheduler:
             request = get_request(req_id)
             if request is None:
                 continue        # finished and gone while the step ran
-            request.num_in_flight_tokens -= num_tokens_scheduled
+            num_in_flight = request.num_in_flight_tokens - num_tokens_scheduled
+            request.num_in_flight_tokens = num_in_flight
             output_is_stale = request.num_stale_output_tokens > 0
             if output_is_stale:
                 # Output of a run that was preempted since: drain it.
@@ -589,7 +590,7 @@ class Scheduler:
                     # blocks they fill. The manager is asked when that count moves (once per
                     # hash block of tokens), not again for the same count while the request
                     # keeps its blocks (a preemption starts the count again).
-                    num_computed = request.num_computed_tokens - request.num_in_flight_tokens
+                    num_computed = request.num_computed_tokens - num_in_flight
                     num_blocks = num_computed // hash_block_size
                     num_hashed = len(request.block_hashes)
                     if (num_blocks != request.num_cache_checked_blocks
