@@ -23,6 +23,10 @@ The method (flash-decoding).
 
 Scores are kept in base 2 (``scale * log2(e)`` folded into the query scale), because ``exp2`` is
 the GPU's native instruction; the softmax is unchanged by the change of base.
+
+In a model's decode step the kernel may be launched early (``pdl=True``, ``pdl.py``): it then asks
+the L2 cache for its context's keys and values while the QKV projection before it finishes, and
+waits for that projection only before it reads the queries.
 """
 from __future__ import annotations
 
@@ -377,7 +381,8 @@ class DecodePlan:
     refused with a ``ValueError`` before anything is launched.
 
     A plan's split buffers are scratch for one launch at a time: run a plan on one CUDA stream
-    (as a model does), or give each stream its own plan.
+    (as a model does), or give each stream its own plan. ``pdl=True``: launched with programmatic
+    dependent launch where the GPU has it (see ``paged_attention_decode``).
     """
 
     def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -19,6 +19,11 @@ work between two projections becomes one kernel:
   kernel, a small-batch decode layer is five launches (four projections, the attention);
 * ``linear(x, weight)``: the same kernel without the norm, a plain small-M GEMM.
 
+``pdl=True`` launches any of them early where the GPU has programmatic dependent launch
+(``pdl.py``): a program reads its weight tile, asks the L2 cache for the rest of its weights, and
+only then waits for the kernel before it, whose output it reads next. For a caller whose previous
+kernel writes none of the weights (a model's step).
+
 ``benchmarks/bench_fused_linear.py`` measures each against the unfused operations (norm kernel,
 cuBLAS, SwiGLU kernel), and a whole layer both ways (``--layer``).
 
