@@ -152,9 +152,6 @@ class Request:
         self.trace_headers = trace_headers
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.max_tokens = max_tokens
-        # The end-of-sequence token, where the sampling parameters name one (vLLM's engine
-        # hands it to the request); read here once, not at every sampled token.
-        self.eos_token_id: int | None = getattr(sampling_params, "eos_token_id", None)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.events: list = []

@@ -17,15 +17,14 @@ def check_stop(request: "Request", max_model_len: int) -> bool:
     (``FINISHED_STOPPED``, with the token as ``stop_reason``), then its length: ``max_tokens``
     generated or the model's context full (``FINISHED_LENGTH_CAPPED``). The stopping token
     stays in the output. The end and stop tokens are the sampling parameters'
-    ``eos_token_id`` (copied to the request when it was made) and ``stop_token_ids``,
-    where they have them (None: no such token).
+    ``eos_token_id`` and ``stop_token_ids``, where they have them (None: no such token).
     """
     params = request.sampling_params
     # Called for every sampled token: the request's lists are read directly, not through its
     # read-only views and properties.
     output = request._output_token_ids
     last_token_id = output[-1]
-    if last_token_id == request.eos_token_id:
+    if last_token_id == getattr(params, "eos_token_id", None):
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     stop_token_ids = getattr(params, "stop_token_ids", None)
