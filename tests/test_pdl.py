@@ -147,3 +147,44 @@ def test_the_model_takes_the_fused_projections_up_to_pdl_rows_where_pdl_is():
     assert ops.small_batch == want
     with pdl.disabled():
         assert FusedLayerOps(cfg, rope, attn).small_batch == fused_linear.CUDA_CORE_ROWS
+
+
+# ---- The compiled code's order, checked without a GPU ------------------------------------------
+
+@pytest.fixture(scope="module")
+def ptx_facts():
+    """``tests/pdl_ptx.py``'s report: the kernels compiled for sm_90 with and without PDL."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).with_name("pdl_ptx.py")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_COMPILER_CHECKED = pytest.mark.skipif(
+    not __import__("triton").__version__.startswith("3.9"),
+    reason="the compile-only check drives Triton's compiler API as Triton 3.9 has it")
+
+
+@_COMPILER_CHECKED
+@pytest.mark.parametrize("kernel", ["fused_linear", "decode"])
+def test_compiled_kernels_wait_before_they_write(ptx_facts, kernel):
+    """With PDL: one wait, every global store after it, the launch of the next kernel after it
+    too (so at most one kernel runs ahead), loads before it (the weights, or the lengths and
+    tables), and L2 prefetches; without PDL none of these instructions."""
+    on, off = ptx_facts[f"{kernel}/pdl"], ptx_facts[f"{kernel}/plain"]
+    assert on["waits"] == 1 and on["launch_dependents"] == 1 and on["launch_after_wait"]
+    assert on["stores"] > 0 and on["stores_after_wait"] == on["stores"]
+    assert on["loads_before_wait"] > 0 and on["prefetches"] > 0
+    assert off["waits"] == off["launch_dependents"] == off["prefetches"] == 0
+
+
+@_COMPILER_CHECKED
+def test_the_check_catches_a_kernel_that_writes_before_waiting(ptx_facts):
+    planted = ptx_facts["planted/pdl"]
+    assert planted["waits"] == 1 and planted["stores_after_wait"] < planted["stores"]
