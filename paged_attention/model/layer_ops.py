@@ -215,7 +215,7 @@ class FusedLayerOps:
         self._rope_cache: dict[tuple, Launcher] = {}        # by the caches' strides and block size
         self._kernels, self._launcher, self._next_power_of_2 = k, Launcher, next_power_of_2
         from paged_attention.kernels.triton import fused_linear, pdl
-        self._fused_linear, self._eps = fused_linear, float(config.rms_norm_eps)
+        self._fused_linear, self._pdl, self._eps = fused_linear, pdl, float(config.rms_norm_eps)
         self._linear_launchers: dict[tuple, Launcher] = {}
         self.small_batch = fused_linear.PDL_ROWS if pdl.enabled(rotary.cos_sin.device) else fused_linear.CUDA_CORE_ROWS
         self.linear_config = None
@@ -360,7 +360,7 @@ class FusedLayerOps:
             return (*fl.norm_linear(x, norm_weight, weight, self._eps, residual, act=act, config=config,
                                     sum_sq=sum_sq), None)
         pieces = 0 if sum_sq is None else sum_sq.size(1)
-        pdl_on = fl._pdl.enabled(x.device)
+        pdl_on = self._pdl.enabled(x.device)
         key = (has_norm, residual is not None, silu, pieces, add is not None, pdl_on, N, K, config)
         launch = self._linear_launchers.get(key)
         if launch is None:
