@@ -13,12 +13,16 @@ two:
 
 ``launch_dependents(PDL)`` tells the GPU that the next kernel may be placed now. Where a kernel
 calls it does not change what it computes (the next kernel's own ``wait`` still waits for this one
-to complete); it only lets the next kernel's weight reads overlap this one's work.
+to complete); it only lets the next kernel's reads overlap this one's work. The kernels here call
+it right after their ``wait``, so a kernel that starts early runs beside one kernel only, the one
+just before it, and every earlier kernel has finished: before its ``wait`` a kernel may read
+anything that one kernel does not write (weights; the step's lengths and block tables; the cache
+of earlier tokens), and ``prefetch`` lines it will read later into the L2 cache. Everything it
+writes comes after the ``wait`` (``tests/pdl_ptx.py`` checks the compiled code for that).
 
-Every kernel launched with ``launch_pdl=True`` must call ``wait`` before it touches anything that an
-earlier kernel of the step writes, or it could read it before it is written. A kernel launched
-without PDL (cuBLAS, torch's) simply waits for its predecessor, as always. CUDA graphs keep these
-edges, so a captured decode step replays with them.
+A kernel launched without PDL (cuBLAS, torch's) simply waits for its predecessor, as always, and a
+PDL kernel after it starts when it ends. CUDA graphs keep these edges, so a captured decode step
+replays with them.
 """
 from __future__ import annotations
 
