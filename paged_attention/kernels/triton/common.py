@@ -1,7 +1,7 @@
-"""What the Triton attention kernels share: reading keys and values through a block table
-(``load_kv_tile``), the base-2 scale (``LOG2E``), the reach of a strided cache (``span``) and the
-one dtype the interpreter cannot run (``check_triton_dtype``). The decode and the prefill kernels
-both import these; neither imports the other.
+"""What the Triton attention kernels share: finding and reading keys and values through a block
+table (``kv_position``, ``load_kv_tile``), the base-2 scale (``LOG2E``), the reach of a strided
+cache (``span``) and the one dtype the interpreter cannot run (``check_triton_dtype``). The decode
+and the prefill kernels both import these; neither imports the other.
 """
 from __future__ import annotations
 
@@ -17,18 +17,26 @@ scale is multiplied by it; the softmax is unchanged by the change of base."""
 
 
 @triton.jit
-def load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
-                 k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
-                 BLOCK_SIZE: tl.constexpr, OFFSETS_64: tl.constexpr):
-    """The keys and values of token positions ``n`` of one KV head, read through the block table:
-    token n sits in physical block ``table[n // BLOCK_SIZE]``, at row ``n % BLOCK_SIZE``. Shared by
-    the decode and the prefill kernels. In a cache of 2^31 elements or more, ``block *
-    block_stride`` needs 64 bits (``OFFSETS_64``)."""
+def kv_position(table, bt_stride_b, n, n_mask, BLOCK_SIZE: tl.constexpr, OFFSETS_64: tl.constexpr):
+    """Where token positions ``n`` of a sequence sit in the cache, through its block table: token
+    n is in physical block ``table[n // BLOCK_SIZE]``, at row ``n % BLOCK_SIZE``. Returns ``(block,
+    row)``. In a cache of 2^31 elements or more, ``block * block_stride`` needs 64 bits
+    (``OFFSETS_64``)."""
     block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
     row = n % BLOCK_SIZE
     if OFFSETS_64:
         block = block.to(tl.int64)
         row = row.to(tl.int64)
+    return block, row
+
+
+@triton.jit
+def load_kv_tile(k_head, v_head, table, bt_stride_b, n, n_mask, d, d_mask,
+                 k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
+                 BLOCK_SIZE: tl.constexpr, OFFSETS_64: tl.constexpr):
+    """The keys and values of token positions ``n`` of one KV head, read through the block table
+    (``kv_position``). Shared by the decode and the prefill kernels."""
+    block, row = kv_position(table, bt_stride_b, n, n_mask, BLOCK_SIZE=BLOCK_SIZE, OFFSETS_64=OFFSETS_64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :],
                 mask=kv_mask, other=0.0)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton import pdl as _pdl
-from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, load_kv_tile
+from paged_attention.kernels.triton.common import LOG2E, check_triton_dtype, kv_position, load_kv_tile
 from paged_attention.kernels.triton.common import span as _span
 from paged_attention.kernels.triton.launch import cached_plan, check_planned, tensor_signature
 from paged_attention.triton_launch import Launcher
@@ -116,11 +116,7 @@ def _prefetch_context(k_head, v_head, table, bt_stride_b, start, end, k_stride_b
     for t0 in range(start, end, TILE_N):
         n = t0 + tl.arange(0, TILE_N)
         n_mask = n < end
-        block = tl.load(table + (n // BLOCK_SIZE) * bt_stride_b, mask=n_mask, other=0)
-        row = n % BLOCK_SIZE
-        if OFFSETS_64:
-            block = block.to(tl.int64)
-            row = row.to(tl.int64)
+        block, row = kv_position(table, bt_stride_b, n, n_mask, BLOCK_SIZE=BLOCK_SIZE, OFFSETS_64=OFFSETS_64)
         mask = n_mask[:, None] & (d < BLOCK_D)[None, :]
         _pdl.prefetch(k_head + block[:, None] * k_stride_blk + row[:, None] * k_stride_tok + d[None, :], mask, k_head)
         _pdl.prefetch(v_head + block[:, None] * v_stride_blk + row[:, None] * v_stride_tok + d[None, :], mask, v_head)
@@ -149,7 +145,8 @@ def _paged_decode_kernel(
     ROPE: tl.constexpr,                         # q_ptr: unrotated QKV rows; rotate, write the new token
     DOT_PRECISION: tl.constexpr,
     OFFSETS_64: tl.constexpr,                   # the cache spans >= 2^31 elements: int64 offsets
-    PDL: tl.constexpr,                          # launched early (pdl.py): seq_lens are read before the wait
+    PDL: tl.constexpr,                          # launched early (pdl.py): lengths and tables read, and the
+                                                # context prefetched, before the wait
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -442,8 +439,8 @@ class DecodePlan:
             HEAD_SIZE=head_size, BLOCK_D=head_block, BLOCK_SIZE=block_size, TILE_N=tile_n,
             SPLIT=num_splits > 1, STORE_LSE=lse is not None, USE_ALIBI=use_alibi, ROPE=rope is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31, PDL=pdl_on,
-            num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl_on else {}))
+            OFFSETS_64=max(_span(key_cache), _span(value_cache)) >= 2**31,
+            num_warps=num_warps, num_stages=num_stages, **_pdl.launch_options(pdl_on))
         if num_splits > 1:
             self._merge_grid = (num_seqs, num_heads)
             # The split buffers: [num_seqs, num_heads, num_splits(, head_size)], contiguous.

@@ -438,7 +438,6 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
         sq = sum_sq if sum_sq is not None else out
         ad = add if add is not None else x
         grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, config.BLOCK_M))
-        launch = {"launch_pdl": True} if pdl_on and _pdl.enabled(x.device) else {}
         _fused_linear_kernel[grid](
             x, r, nw, weight, out, stream, sq, ad, sums_out if sums_out is not None else out,
             M, N, K, float(eps), sum_sq.size(1) if sum_sq is not None else 1,
@@ -447,8 +446,9 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
             NORM_FROM_SUMS=sum_sq is not None,
             BLOCK_S=_pieces_block(sum_sq.size(1) if sum_sq is not None else 1), ADD_RESIDUAL=add is not None,
-            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, PDL=bool(launch),
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch)
+            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            **_pdl.launch_options(pdl_on and _pdl.enabled(x.device)))
     elif sums_out is not None:
         sums_out.zero_()                        # no columns: every row's sum is 0
     return out, stream, sums_out

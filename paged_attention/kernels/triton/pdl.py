@@ -79,6 +79,12 @@ def disabled() -> Iterator[None]:
         set_enabled(before)
 
 
+def launch_options(on: bool) -> dict:
+    """A kernel's launch arguments for PDL on or off: its ``PDL`` constexpr (which compiles in its
+    ``wait`` and ``launch_dependents``) and, when on, Triton's ``launch_pdl`` launch option."""
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 if os.environ.get("PAGED_ATTENTION_PDL", "1") == "0":
     set_enabled(False)
 
@@ -117,4 +123,4 @@ def prefetch_rows(ptr, rows, row_mask, start, length, stride_row, stride_col, ST
                  row_mask[:, None] & (cols < length)[None, :], ptr)
 
 
-__all__ = ["enabled", "set_enabled", "disabled", "wait", "launch_dependents", "prefetch", "prefetch_rows"]
+__all__ = ["enabled", "set_enabled", "disabled", "launch_options", "wait", "launch_dependents", "prefetch", "prefetch_rows"]
