@@ -272,8 +272,11 @@ def test_bad_calls_change_nothing():
     with pytest.raises(ValueError):
         pool.free_blocks([blocks[1], pool.blocks[5]])     # the second is free already
     other = BlockPool(6, enable_caching=True, hash_block_size=4).blocks[3]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="block 3 does not belong"):
         pool.free_blocks([blocks[1], other])              # not this pool's
+    with pytest.raises(ValueError, match="block 3 does not belong"):
+        # Over-freed before the foreign block is reached: the foreign block is still named.
+        pool.free_blocks([blocks[1], blocks[1], other])
     with pytest.raises(ValueError):
         pool.touch([other])
     with pytest.raises(ValueError):

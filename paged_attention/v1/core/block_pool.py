@@ -251,9 +251,14 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
             for block in blocks:
-                self._maybe_evict_cached_block(block)
-        for block in blocks:
-            block.ref_cnt += 1
+                # Most blocks handed out were never cached: no key to forget (the slot, not
+                # the property, is read: this runs for every block handed out).
+                if block._block_hash is not None:
+                    self._remove_cached_block_hashes(block)
+                block.ref_cnt += 1
+        else:
+            for block in blocks:
+                block.ref_cnt += 1
         return blocks
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -281,27 +286,40 @@ class BlockPool:
         ``ValueError`` and nothing is freed.
         """
         blocks = [b for b in ordered_blocks if not b.is_null]
-        self._check_own(blocks)
-        to_front, to_back = [], []
+        pool, num_gpu_blocks = self.blocks, self.num_gpu_blocks
         caching = self.enable_caching
+        to_front, to_back = [], []
+        # One pass checks each block (as _check_own does) and counts it down; a bad block
+        # undoes the counts so far, before the queue is touched, and the error is the one the
+        # checks would raise in turn: a foreign block anywhere first, then over-freeing.
         for num_done, block in enumerate(blocks):
+            i = block.block_id
+            if not 0 <= i < num_gpu_blocks or pool[i] is not block:
+                self._undo_counts(blocks, num_done)
+                self._check_own(blocks)     # raises for this block, or one before it
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None or not caching:
+                # (The slot, not the property: this runs for every block a request frees.)
+                if block._block_hash is None or not caching:
                     to_front.append(block)
                 else:
                     to_back.append(block)
             elif block.ref_cnt < 0:
-                # Freed once too often (it repeats, or had no user): undo the counts so far,
-                # before the queue is touched, and name every such block.
-                for b in blocks[:num_done + 1]:
-                    b.ref_cnt += 1
+                # Freed once too often (it repeats, or had no user): name every such block.
+                self._undo_counts(blocks, num_done + 1)
+                self._check_own(blocks)
                 counts = Counter(b.block_id for b in blocks)
                 over = [i for i, n in counts.items() if self.blocks[i].ref_cnt < n]
                 raise ValueError(f"blocks {sorted(over)} would be freed more often than they "
                                  "are used")
         self.free_block_queue.prepend_n(to_front)
         self.free_block_queue.append_n(to_back)
+
+    @staticmethod
+    def _undo_counts(blocks: list[KVCacheBlock], num_done: int) -> None:
+        """Give back the user ``free_blocks`` took from each of the first ``num_done``."""
+        for b in blocks[:num_done]:
+            b.ref_cnt += 1
 
     def _check_own(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Every block but null ones must be this pool's own object."""
