@@ -165,21 +165,28 @@ class BlockPool:
         if num_full_blocks > len(blocks):
             raise ValueError(f"{num_full_blocks} full blocks asked, the request holds "
                              f"{len(blocks)}")
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        hashes = (request.block_hashes if block_size == self.hash_block_size
+                  else resolve_block_hashes(request.block_hashes, self.hash_block_size,
+                                            block_size))
         if num_full_blocks > len(hashes):
             raise ValueError(f"request {request.request_id} has hashes for {len(hashes)} "
                              f"blocks of {block_size} tokens, not {num_full_blocks}")
         if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
             raise ValueError("block_mask must have one entry per newly full block")
+        cached = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             num_tokens = (i + 1) * block_size
             key = make_block_hash_with_group_id(hashes[i], kv_cache_group_id)
-            if block.block_hash is not None:
-                # A block cached for a shorter prefix, now full: its old keys go.
-                self._remove_cached_block_hashes(block)
+            if block._block_hash is None:
+                # The usual case, a newly full block: _insert_block_hash's first branch.
+                block.set_block_hash(key, num_tokens)
+                cached.insert(key, block)
+                continue
+            # A block cached for a shorter prefix, now full: its old keys go.
+            self._remove_cached_block_hashes(block)
             self._insert_block_hash(key, block, num_tokens)
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
@@ -243,11 +250,15 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue, each with one user.
         A cached block taken this way is evicted: its hashes are forgotten."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({self.get_num_free_blocks()} free)")
+        if not (type(num_blocks) is int
+                and 0 <= num_blocks <= self.free_block_queue.num_free_blocks):
+            # (One test for a good count, each per step and request; the detail only here.)
+            if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) \
+                    or num_blocks < 0:
+                raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+            if num_blocks > self.get_num_free_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
+                                 f"({self.get_num_free_blocks()} free)")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
             for block in blocks:

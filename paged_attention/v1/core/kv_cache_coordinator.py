@@ -27,7 +27,8 @@ from paged_attention.v1.core.single_type_kv_cache_manager import (
 
 # The groups' cache_blocks whose "nothing new" test the coordinator may answer for them (the
 # full-attention one adds only a partial tail block, and only where hashes are finer).
-_PLAIN_CACHE_BLOCKS = (SingleTypeKVCacheManager.cache_blocks, FullAttentionManager.cache_blocks)
+_BASE_CACHE_BLOCKS = SingleTypeKVCacheManager.cache_blocks
+_PLAIN_CACHE_BLOCKS = (_BASE_CACHE_BLOCKS, FullAttentionManager.cache_blocks)
 
 
 def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
@@ -149,6 +150,17 @@ class KVCacheCoordinator:
                     break
             else:
                 return
+            # Some group has blocks to cache. Each group's call is the base class's: a plain
+            # full-attention group adds only a partial tail block where the hashes are finer
+            # than its blocks, and here they are not.
+            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
+                                           use_eagle=False)
+            num_cacheable = max(0, num_computed_tokens - self.num_reprefillable_tokens)
+            for m in self.single_type_managers:
+                if m.enable_caching:
+                    _BASE_CACHE_BLOCKS(m, request, num_cacheable, self.retention_interval,
+                                       replay_boundaries=boundaries)
+            return
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)
         for i, m in enumerate(self.single_type_managers):
