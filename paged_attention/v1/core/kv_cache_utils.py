@@ -309,17 +309,19 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         # hash_block_tokens' tuple() of a slice of it is then the slice itself, not a copy.
         end = num_tokens - (num_tokens - start) % hash_block_size
         tokens = tuple(request.all_token_ids[start:end])
-        parent = block_hashes[-1] if block_hashes else None
         # A block's extra keys depend only on whether it is the request's first (the cache salt
         # goes there): looked up once per call, not once per block.
         later_keys, _ = generate_block_hash_extra_keys(request, hash_block_size,
                                                        2 * hash_block_size)
+        # hash_block_tokens written out in the loop (a prompt hashes many blocks at once, and
+        # the call per block was a fifth of admitting a request): the same triple, hashed the
+        # same way, an empty parent read as NONE_HASH as it is now (init_none_hash may change it).
+        parent = block_hashes[-1] if block_hashes else None
         new_hashes: list[BlockHash] = []
         for i in range(0, end - start, hash_block_size):
             keys = (later_keys if start + i else
                     generate_block_hash_extra_keys(request, 0, hash_block_size)[0])
-            parent = hash_block_tokens(caching_hash_fn, parent, tokens[i:i + hash_block_size],
-                                       keys)
+            parent = caching_hash_fn((parent or NONE_HASH, tokens[i:i + hash_block_size], keys))
             new_hashes.append(parent)
         return new_hashes
 
