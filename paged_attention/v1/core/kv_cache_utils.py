@@ -315,9 +315,9 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         # goes there): looked up once per call, not once per block.
         later_keys, _ = generate_block_hash_extra_keys(request, hash_block_size,
                                                        2 * hash_block_size)
-        # hash_block_tokens written out in the loop (a prompt hashes many blocks at once, and
-        # the call per block was a fifth of admitting a request): the same triple, hashed the
-        # same way, an empty parent read as NONE_HASH as it is now (init_none_hash may change it).
+        # hash_block_tokens written out in the loop (a prompt hashes many blocks at once, each
+        # call is pure overhead): the same triple, hashed the same way, an empty parent read as
+        # NONE_HASH as it is at the time of the call (init_none_hash may change it).
         parent = block_hashes[-1] if block_hashes else None
         new_hashes: list[BlockHash] = []
         for i in range(0, end - start, hash_block_size):
