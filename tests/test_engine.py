@@ -162,6 +162,24 @@ def test_stop_tokens_and_ignore_eos(model, kw):
     assert tokens(llm.generate(p, GREEDY, use_tqdm=False))[0] == free
 
 
+@pytest.mark.parametrize("kw", CORES, ids=CORE_IDS)
+def test_params_shared_by_prompts_keep_their_own_stops(model, kw):
+    """A generate call checks and copies each params object once, and the core reuses one copy
+    with its stop tokens for consecutive requests given the same one: params interleaved in one
+    call, and one params object changed between two calls, each still stop where they say."""
+    p = prompts(1, seed=3)[0]
+    free = tokens(engine(model, **kw).generate(p, GREEDY, use_tqdm=False))[0]
+    stop = free[4]
+    cut = free[:free.index(stop) + 1]
+    stopping = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+    llm = engine(model, **kw)
+    assert tokens(llm.generate([p] * 4, [stopping, GREEDY, stopping, GREEDY], use_tqdm=False)) == [cut, free] * 2
+    changing = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert tokens(llm.generate([p, p], changing, use_tqdm=False)) == [free, free]
+    changing.stop_token_ids = [stop]
+    assert tokens(llm.generate([p, p], changing, use_tqdm=False)) == [cut, cut]
+
+
 def test_context_length_ends_a_request(model):
     p = prompts(1, length=20, seed=4)[0]
     out = engine(model, max_model_len=25).generate(p, SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)

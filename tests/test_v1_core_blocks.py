@@ -92,6 +92,26 @@ def test_hashes_chain_from_the_fixed_none_hash(monkeypatch):
     assert request.block_hashes[2] == _sha((h1, (8, 9, 10, 11), None))
 
 
+def test_any_hash_function_chains_the_same_way():
+    """The hasher calls sha256 written out, and any other function as given: both chain the
+    same triples (large token ids too, which pickle writes in other opcodes)."""
+    tokens = [0, 255, 256, 70000, 2**31, 2**40, 7, 8]
+    salted = dict(cache_salt="s")
+    plain = Request("a", tokens, PARAMS, None, **salted, block_hasher=get_request_block_hasher(4, ku.sha256))
+    h0 = _sha((ku.NONE_HASH, tuple(tokens[:4]), (("cache_salt", "s"),)))
+    assert plain.block_hashes == [h0, _sha((h0, tuple(tokens[4:]), None))]
+    seen = []
+
+    def other(triple):
+        seen.append(triple)
+        return repr(triple).encode()
+
+    mine = Request("b", tokens, PARAMS, None, **salted, block_hasher=get_request_block_hasher(4, other))
+    assert seen == [(ku.NONE_HASH, tuple(tokens[:4]), (("cache_salt", "s"),)),
+                    (repr(seen[0]).encode(), tuple(tokens[4:]), None)]
+    assert mine.block_hashes == [repr(t).encode() for t in seen]
+
+
 def test_extra_keys_separate_salts_and_adapters():
     hasher = get_request_block_hasher(4, ku.sha256)
     plain = Request("a", list(range(8)), PARAMS, None, block_hasher=hasher)

@@ -203,9 +203,16 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         # Every request checked before any is queued (its params too: a field may have been
-        # changed since they were made); each keeps the checked copy.
-        params = [self.engine.check_request(token_ids, p) for (token_ids, _), p in zip(encoded, params)]
-        return self._run(encoded, params, use_tqdm)
+        # changed since they were made); each keeps the checked copy. A params object given for
+        # many prompts is checked and copied once, with its first prompt (so the errors come in
+        # the same order as checking each request whole); the prompts after share its copy.
+        engine, checked = self.engine, {}
+        for (token_ids, _), p in zip(encoded, params):
+            if id(p) in checked:
+                engine._check_with_params(token_ids, checked[id(p)])
+            else:
+                checked[id(p)] = engine.check_request(token_ids, p)
+        return self._run(encoded, [checked[id(p)] for p in params], use_tqdm)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,

@@ -138,6 +138,7 @@ class LLMEngine:
         self._in_flight: collections.deque[tuple[SchedulerOutput, RunnerOutput, float]] = collections.deque()
         self._num_steps = 0
         self._idle_steps = 0                              # steps in a row that ran and reported nothing
+        self._last_stop_ids: tuple = (None, frozenset())  # see _add_checked_request
 
     # What the legacy core shows (the V0 chapter's drawings read these).
     @property
@@ -199,6 +200,12 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)           # a copy, checked again by its __post_init__
+        self._check_with_params(prompt_token_ids, params)
+        return params
+
+    def _check_with_params(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """``check_request`` for params it has already checked (``LLM.generate`` checks each
+        params object of a call once, and then every prompt that uses it with this)."""
         self.check_prompt(prompt_token_ids)
         n = len(prompt_token_ids)
         longest = min(n + params.max_tokens, self.max_model_len) - 1
@@ -208,7 +215,6 @@ class LLMEngine:
                              f"{params.max_tokens}, max_model_len={self.max_model_len}): running to its end alone "
                              f"takes {cdiv(longest, self.block_size)} blocks of {self.block_size}, but the pool can "
                              f"give one request {usable} ({why}); lower max_tokens or give the pool more blocks")
-        return params
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None) -> None:
@@ -223,11 +229,15 @@ class LLMEngine:
         copy), as ``LLM.generate`` does for all its requests before it queues any."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in the engine")
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        # The stop tokens of the last params served again: LLM.generate passes one checked
+        # copy for every prompt given the same params (a checked copy is never changed).
+        if params is not self._last_stop_ids[0]:
+            stop_ids = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                stop_ids |= self.eos_token_ids
+            self._last_stop_ids = (params, frozenset(stop_ids))
         prompt_token_ids = list(prompt_token_ids)         # ours (the core copies what it keeps)
-        self.core.add_request(request_id, prompt_token_ids, params, frozenset(stop_ids))
+        self.core.add_request(request_id, prompt_token_ids, params, self._last_stop_ids[1])
         self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params)
 
     def has_unfinished_requests(self) -> bool:

@@ -53,6 +53,7 @@ class V1Core:
         self._hasher = kv_cache_utils.get_request_block_hasher(block_size, kv_cache_utils.sha256)
         # Prompt tokens found in the prefix cache when each request was first admitted.
         self.num_cached_tokens: dict[str, int] = {}
+        self._last_params: tuple = (None, None, None)     # see add_request
 
     @property
     def kv_cache_manager(self):
@@ -71,9 +72,14 @@ class V1Core:
                     stop_ids: frozenset[int]) -> None:
         # The engine's checked copy, with the end tokens added to its stop tokens: a shallow
         # copy (``dataclasses.replace`` would run every check a second time, per request).
-        params = copy.copy(params)
-        params.stop_token_ids = sorted(stop_ids)
-        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, None, block_hasher=self._hasher))
+        # Requests given the same checked copy and stop tokens (a generate call's prompts that
+        # share params) share it: nothing changes a request's params once it is queued.
+        last_params, last_stop_ids, own = self._last_params
+        if params is not last_params or stop_ids != last_stop_ids:
+            own = copy.copy(params)
+            own.stop_token_ids = sorted(stop_ids)
+            self._last_params = (params, stop_ids, own)
+        self.scheduler.add_request(Request(request_id, prompt_token_ids, own, None, block_hasher=self._hasher))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
