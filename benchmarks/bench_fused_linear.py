@@ -289,6 +289,12 @@ def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
         if M > 64:
             dots += [(32, 32, 64), (32, 64, 64)]
         out += [C(bm, bn, bk, 4, 2 if bk >= 256 else 3) for bm, bn, bk in dots]
+        # K in one chunk (padded to a power of two, the padding masked) on 8 warps: the whole weight
+        # tile loaded before the wait, nothing left to stream after it
+        whole = min(2048, next_power_of_2(K))
+        out += [C(16, bn, whole, 8, 1) for bn in ((16, 32) if whole <= 1024 else (16,))]
+        if M > 128:                                       # hundreds of rows: taller tiles, 8 warps too
+            out += [C(bm, bn, 64, w, 3) for bm, bn in ((64, 64), (128, 32), (128, 64)) for w in (4, 8)]
     return out
 
 

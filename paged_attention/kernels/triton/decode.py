@@ -64,11 +64,25 @@ def _rotate_half(x, partner, cos, sin, first_half):
 
 
 @triton.jit
-def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq, seq_len, start, end, kv_head,
+def _rope_inputs(cos_sin_ptr, pos_ptr, slot_ptr, seq, d, BLOCK_D: tl.constexpr):
+    """What ``_rope_and_write`` needs besides the QKV row, none of it the QKV projection's output
+    (so that, launched early, the kernel reads it before waiting): the cosines and sines of
+    sequence ``seq``'s new position for dimensions ``d`` (pair ``j = d mod D/2``) and its slot."""
+    HALF = BLOCK_D // 2
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    j = d % HALF
+    cos = tl.load(cos_sin_ptr + pos * BLOCK_D + j)
+    sin = tl.load(cos_sin_ptr + pos * BLOCK_D + HALF + j)
+    return cos, sin, tl.load(slot_ptr + seq).to(tl.int64)
+
+
+@triton.jit
+def _rope_and_write(q, row, head, g_mask, d, cos, sin, slot, seq_len, start, end, kv_head,
                     num_heads, num_kv_heads, head_stride, k_cache_ptr, v_cache_ptr,
                     k_stride_blk, k_stride_tok, k_stride_head, v_stride_blk, v_stride_tok, v_stride_head,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A decode step's rotary embedding and cache write, done by the attention kernel itself.
+    """A decode step's rotary embedding and cache write, done by the attention kernel itself
+    (``cos``, ``sin`` and ``slot``: ``_rope_inputs``).
 
     ``row`` is the sequence's row of the fused QKV projection: ``num_heads`` query heads, then
     ``num_kv_heads`` key heads, then as many value heads, ``head_stride`` (= D) apart. Returns this
@@ -79,16 +93,11 @@ def _rope_and_write(q, row, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq
     so that the loop that follows reads the slot back as any other.
     """
     HALF = BLOCK_D // 2
-    pos = tl.load(pos_ptr + seq).to(tl.int64)
-    j = d % HALF
     partner = (d + HALF) % BLOCK_D
     first_half = d < HALF
-    cos = tl.load(cos_sin_ptr + pos * BLOCK_D + j)
-    sin = tl.load(cos_sin_ptr + pos * BLOCK_D + HALF + j)
     q_partner = tl.load(row + head[:, None] * head_stride + partner[None, :], mask=g_mask[:, None], other=0.0)
     q = _rotate_half(q, q_partner, cos[None, :], sin[None, :], first_half[None, :]).to(q.dtype)
 
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
     last = seq_len - 1
     writes = (start <= last) & (last < end) & (slot >= 0)
     key = row + (num_heads + kv_head) * head_stride
@@ -166,9 +175,6 @@ def _paged_decode_kernel(
                           block_tables_ptr + seq.to(tl.int64) * bt_stride_s, bt_stride_b, start, end,
                           k_stride_blk, k_stride_tok, v_stride_blk, v_stride_tok,
                           BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, OFFSETS_64=OFFSETS_64)
-    _pdl.wait(PDL)                                      # the queries are the previous kernel's output
-    _pdl.launch_dependents(PDL)
-
     # Rows of the tile: the query heads of this KV head's group (rows >= QUERIES_PER_KV are
     # padding, with zero queries). Columns: the head dimension, padded to a power of two.
     g = tl.arange(0, BLOCK_G)
@@ -176,11 +182,15 @@ def _paged_decode_kernel(
     g_mask = g < QUERIES_PER_KV
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_SIZE
+    if ROPE:
+        cos, sin, slot = _rope_inputs(cos_sin_ptr, pos_ptr, slot_ptr, seq, d, BLOCK_D=BLOCK_D)
+    _pdl.wait(PDL)                                      # the queries are the previous kernel's output
+    _pdl.launch_dependents(PDL)
     q = tl.load(q_ptr + seq * q_stride_s + head[:, None] * q_stride_h + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if ROPE:
-        q = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos_sin_ptr, pos_ptr, slot_ptr, seq,
-                            seq_len, start, end, kv_head, num_heads, tl.num_programs(1), q_stride_h,
+        q = _rope_and_write(q, q_ptr + seq * q_stride_s, head, g_mask, d, cos, sin, slot, seq_len, start, end,
+                            kv_head, num_heads, tl.num_programs(1), q_stride_h,
                             k_cache_ptr, v_cache_ptr, k_stride_blk, k_stride_tok, k_stride_head,
                             v_stride_blk, v_stride_tok, v_stride_head, BLOCK_D=BLOCK_D, BLOCK_SIZE=BLOCK_SIZE)
     if USE_ALIBI:
@@ -560,8 +570,9 @@ def paged_attention_decode(
 
     ``pdl=True`` launches the kernel with programmatic dependent launch where the GPU has it
     (``pdl.py``): it may start while the previous kernel on the stream still runs, and reads
-    ``seq_lens`` before waiting for it. Only for a caller whose previous kernel does not write
-    ``seq_lens`` (a model's QKV projection); everything else is read after the wait.
+    ``seq_lens``, the block table and, with ``rope``, the positions, slots and angles before
+    waiting for it. Only for a caller whose previous kernel writes none of these (a model's QKV
+    projection); the queries, keys and values are read after the wait.
 
     The fast path: with ``check_ids=False`` and ``max_seq_len`` given, the checks run once per
     combination of shapes, strides, dtypes and options, and later calls reuse that
