@@ -261,10 +261,13 @@ def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
       chunk would be a quarter masked), 1 to 32 columns a program while the product tile stays
       within 2K to 32K elements (4 warps up to 8K, then 8) and the programs number 24 to 512;
     * from 8 rows on, tl.dot: 16-row tiles (and M's own, up to 64), 16 to 64 columns, K in
-      pipelined chunks of 64 to 256.
+      pipelined chunks of 64 to 256; also K in one chunk (padded to a power of two) on 8 warps,
+      and above 128 rows 64- and 128-row tiles on 4 or 8 warps.
     Configurations that spill registers when compiled for an H100 (tl.dot with K in one chunk of
     512 or more; 256 with SwiGLU's two weight tiles) are left out: every one of these compiles
-    for sm_90 without a spill (checked with Triton 3.9's compiler, no GPU needed).
+    for sm_90 without a spill (checked with Triton 3.9's compiler, no GPU needed), except the
+    one-chunk and the taller tiles, which were only timed (on an H200, where none was the best
+    at 64 rows or more).
     """
     from paged_attention.kernels.triton import fused_linear as fl
     from paged_attention.utils import next_power_of_2
