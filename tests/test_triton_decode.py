@@ -100,6 +100,41 @@ def test_num_splits_heuristic_on_gpu():
     assert choose_num_splits(1, 8, 300, gpu) <= 2             # but keep >= 256 tokens per split
 
 
+def test_launch_shape_follows_latency_or_bandwidth(monkeypatch):
+    """Short contexts over few programs take fewer, larger loop steps (bound by each program's
+    chain of loads); many programs or long contexts keep the streaming shape. The rule is asked
+    about a GPU of 132 multiprocessors without one (it only reads the count)."""
+    from paged_attention.kernels.triton import decode
+    monkeypatch.setattr(decode, "_num_sms", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    assert decode.choose_launch(gpu, 256, 1, 3) == (256, 8, 1)            # one request, 3 KV heads
+    assert decode.choose_launch(gpu, 100, 1, 48) == (128, 8, 1)           # one tile holds every context
+    assert decode.choose_launch(gpu, 256, 1, 192) == (128, 4, 2)          # 64 requests
+    assert decode.choose_launch(gpu, 256, 1, 768) == (64, 4, 3)           # 256 requests: bandwidth
+    assert decode.choose_launch(gpu, 4096, 1, 3) == (64, 4, 3)            # a long context streams
+    assert decode.choose_launch(gpu, 4096, 8, 24) == (64, 4, 2)
+    assert decode.choose_launch(gpu, 256, 1) == (64, 4, 3)                # programs not given
+    for programs in (1, 66, 67, 264, 265):
+        decode.check_launch(decode.choose_launch(gpu, 256, 1, programs))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("launch", [(256, 8, 1), (128, 4, 2), (64, 4, 3)])
+def test_every_default_launch_shape_with_rope(launch):
+    """The launch shapes ``choose_launch`` picks for short contexts (one tile per sequence, two,
+    four), each with the rotary embedding and the cache write fused in: the caches as the rotary
+    kernel writes them, and the output the reference attention computes over them."""
+    from paged_attention.kernels.triton.layer_ops import rotary_and_cache_
+    p, (H, KV, D) = _rope_problem(torch.device("cuda"), torch.float16, lens=(5, 1, 200, 256, 129, 64), H=9, KV=3,
+                                  D=64, B=16)
+    qkv, kc, vc = p["qkv"].clone(), p["kc"].clone(), p["vc"].clone()
+    q = rotary_and_cache_(qkv, p["cos_sin"], p["pos"], p["slots"], kc, vc, H, KV)
+    got = _fused(p, (H, KV, D), launch=launch)
+    assert torch.equal(got[2], vc)
+    torch.testing.assert_close(got[1], kc, atol=2e-2, rtol=1e-2)
+    assert_close_to_oracle(got[0], ref_decode_attention(q, kc, vc, p["table"], p["seq_lens"], D ** -0.5))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_large_gqa_batch_on_gpu(dtype):
@@ -239,7 +274,7 @@ def _rope_problem(device, dtype, lens=(5, 1, 40, 20), H=4, KV=2, D=16, B=4, seed
     slots = table[torch.arange(S), pos // B].long() * B + pos % B
     slots[1] = -1
     qkv = torch.randn(S, (H + 2 * KV) * D, generator=g).to(dtype)
-    cos_sin = RotaryEmbedding(D, 64, 10000.0, torch.device("cpu")).cos_sin
+    cos_sin = RotaryEmbedding(D, max(64, max(lens)), 10000.0, torch.device("cpu")).cos_sin
     to = {"device": device}
     return {k: v.to(**to) for k, v in dict(qkv=qkv, kc=kc, vc=vc, table=table, seq_lens=seq_lens, pos=pos,
                                             slots=slots, cos_sin=cos_sin).items()}, (H, KV, D)

@@ -119,7 +119,7 @@ def sweep(shapes=DECODE_SHAPES, print_fn=print, model=MODEL) -> None:
     print_fn(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     launches = [(64, 2, 3), (64, 4, 3), (64, 4, 2), (32, 2, 2), (32, 2, 3), (32, 4, 2), (128, 4, 2), (128, 8, 3)]
     if max(context for _, context in shapes) <= 1024:       # short contexts: short loops, small tiles too
-        launches += [(16, 1, 2), (16, 2, 2), (32, 1, 2), (64, 2, 2), (64, 4, 1)]
+        launches += [(16, 1, 2), (16, 2, 2), (32, 1, 2), (64, 2, 2), (64, 4, 1), (256, 8, 1), (256, 4, 1)]
     for batch, context in shapes:
         p = make_decode_problem([context] * batch, device="cuda", **model)
         auto = choose_num_splits(batch, model["num_kv_heads"], context, torch.device("cuda"))
@@ -137,7 +137,9 @@ def sweep(shapes=DECODE_SHAPES, print_fn=print, model=MODEL) -> None:
         print_fn(f"batch {batch} x context {context} (auto splits {auto}):")
         for frac, launch, splits, ms in results[:6]:
             print_fn(f"  {frac:.3f}  launch={launch} splits={splits} {ms * 1e3:.1f} us")
-        default = [r for r in results if r[1] == choose_launch(torch.device('cuda'), context, auto) and r[2] == auto]
+        programs = batch * model["num_kv_heads"] * auto
+        default = [r for r in results
+                   if r[1] == choose_launch(torch.device('cuda'), context, auto, programs) and r[2] == auto]
         if default:
             print_fn(f"  default: {default[0][0]:.3f}")
         del p
