@@ -21,8 +21,15 @@ from dataclasses import dataclass, field
 
 from paged_attention.kv_cache.interface import KVCacheConfig
 from paged_attention.utils import cdiv, is_int
-from paged_attention.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from paged_attention.v1.core.kv_cache_utils import KVCacheBlock, trim_null_head
+from paged_attention.v1.core.kv_cache_coordinator import (
+    UnitaryKVCacheCoordinator,
+    get_kv_cache_coordinator,
+)
+from paged_attention.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+    trim_null_head,
+)
 from paged_attention.v1.core.request import Request, RequestStatus
 from paged_attention.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
@@ -152,6 +159,14 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self._running_fast_path: bool | None = None  # see _allocate_running_full_attention
+        # (group 0's key suffix, block size) where get_computed_blocks may answer a miss on
+        # the first block itself: one plain full-attention group, caching on.
+        managers = self.coordinator.single_type_managers
+        self._first_block_probe = (
+            (make_block_hash_with_group_id(b"", 0), managers[0].block_size)
+            if type(self.coordinator) is UnitaryKVCacheCoordinator
+            and type(managers[0]) is FullAttentionManager
+            and managers[0].block_size == self.block_pool.hash_block_size else None)
         # Shared, immutable "no blocks" answer (tuples): saves building one per request.
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in
                                                          range(self.num_kv_cache_groups)))
@@ -200,6 +215,18 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
+        probe = self._first_block_probe
+        if probe is not None:
+            # One full-attention group whose hashes are its blocks: the scan starts at the
+            # first block and stops at the first miss, so if the first block's key is not in
+            # the map (each key there names a block) the answer is "no hit", as below.
+            hashes = request.block_hashes
+            group_suffix, block_size = probe
+            if (type(hashes) is list and hashes and type(max_cache_hit_length) is int
+                    and max_cache_hit_length >= block_size
+                    and hashes[0] + group_suffix
+                    not in self.block_pool.cached_block_hash_to_block._cache):
+                return self.empty_kv_cache_blocks, 0, 0
         blocks, num_hits, num_uncached = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length)
         boundary = num_hits + num_uncached if num_uncached else 0
