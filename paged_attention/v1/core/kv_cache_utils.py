@@ -198,13 +198,14 @@ class FreeKVCacheBlockQueue:
         taken = []
         block = self.fake_free_list_head.next_free_block
         for _ in range(n):
+            # Clearing a taken block's links as the walk leaves it: nothing reads them again.
             taken.append(block)
-            block = block.next_free_block
-        # Relink the head to the first block left, then clear the taken blocks' links.
+            following = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = following
+        # Relink the head to the first block left.
         self.fake_free_list_head.next_free_block = block
         block.prev_free_block = self.fake_free_list_head
-        for b in taken:
-            b.prev_free_block = b.next_free_block = None
         self.num_free_blocks -= n
         return taken
 
