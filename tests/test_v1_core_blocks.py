@@ -71,6 +71,33 @@ def test_queue_refuses_bad_moves_and_stays_as_it_was():
         q.popleft()
 
 
+def _links(blocks):
+    return [(b.prev_free_block, b.next_free_block) for b in blocks]
+
+
+@pytest.mark.parametrize("insert", ["append_n", "prepend_n"])
+def test_a_bad_insert_unlinks_what_it_linked_and_names_the_first_queued_block(insert):
+    # Insertion checks and links in one pass: a queued block found after others were linked
+    # must leave every link (the sentinels' too) as it was, and name the first queued block.
+    blocks, q = queue_of(8)
+    taken = q.popleft_n(5)                       # 0..4 out, 5..7 queued
+    everything = blocks + [q.fake_free_list_head, q.fake_free_list_tail]
+    before = _links(everything)
+    cases = [
+        ([taken[0], taken[1], blocks[6], taken[2], blocks[5]], "block 6 is already"),
+        ([blocks[7]], "block 7 is already"),
+        ([taken[0], taken[0], taken[1], blocks[5]], "block 5 is already"),
+        ([taken[3], taken[4], taken[3]], "block 3 is given twice"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            getattr(q, insert)(bad)
+        assert _links(everything) == before and q.num_free_blocks == 3
+    getattr(q, insert)(taken[::-1])
+    expected = [4, 3, 2, 1, 0, 5, 6, 7] if insert == "prepend_n" else [5, 6, 7, 4, 3, 2, 1, 0]
+    assert ids(q.get_all_free_blocks()) == expected and q.num_free_blocks == 8
+
+
 # --------------------------------------------------------------------------------------------
 # Block hashes
 # --------------------------------------------------------------------------------------------

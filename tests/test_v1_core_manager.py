@@ -252,3 +252,48 @@ def test_skipping_the_prefix_cache_and_caching_off_never_hit():
     admit(off, "a", list(range(12)))
     _, hit = admit(off, "b", list(range(12)))
     assert hit == 0 and off.get_block_ids("b") == ([4, 5, 6],)
+
+
+
+@pytest.mark.parametrize("specs", [(full(),), (full(4), full(8))], ids=["one group", "two"])
+def test_admission_without_a_hit_matches_the_general_path(specs):
+    # allocate_slots answers an admission that found no hit, over full-attention groups, in
+    # one pass; the same calls through the general path (the fast path refused) must give the
+    # same blocks, Nones and state, under the watermark, the full-length test and a cap.
+    from paged_attention.v1.core import kv_cache_manager as kvm
+
+    rng = np.random.default_rng(0)
+    fast, general = (manager(24, *specs, watermark=0.25) for _ in range(2))
+    general._admit_full_attention = lambda *args: kvm._NOT_TAKEN
+    for m in (fast, general):
+        for sm in m.coordinator.single_type_managers:
+            sm.max_admission_blocks_per_request = 5       # a cap the count must respect
+    requests, live, answers = {}, [], []
+    for step in range(150):
+        if live and rng.random() < 0.35:
+            for m, r in zip((fast, general), requests[live.pop(int(rng.integers(len(live))))]):
+                m.free(r)
+            continue
+        rid = f"r{step}"
+        tokens = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 40)))]
+        requests[rid] = [Request(rid, tokens, PARAMS, None, block_hasher=m.hasher)
+                         for m in (fast, general)]
+        if fast.get_computed_blocks(requests[rid][0])[1]:
+            continue                    # a hit: not the fast path's case
+        kwargs = dict(num_new_tokens=int(rng.integers(1, len(tokens) + 1)),
+                      num_new_computed_tokens=0,
+                      full_sequence_must_fit=bool(rng.random() < 0.5),
+                      has_scheduled_reqs=bool(rng.random() < 0.7),
+                      delay_cache_blocks=bool(rng.random() < 0.2))
+        got = [m.allocate_slots(r, new_computed_blocks=m.get_computed_blocks(r)[0], **kwargs)
+               for m, r in zip((fast, general), requests[rid])]
+        got = [a if a is None else a.get_block_ids() for a in got]
+        assert got[0] == got[1]
+        answers.append(got[0])
+        if got[0] is not None:
+            live.append(rid)
+        assert snapshot(fast, list(requests)) == snapshot(general, list(requests))
+        assert [sm.num_cached_block for sm in fast.coordinator.single_type_managers] == \
+            [sm.num_cached_block for sm in general.coordinator.single_type_managers]
+    # Both outcomes were compared, and some answers were blocks the cap cut short or a None.
+    assert None in answers and sum(a is not None for a in answers) > 30

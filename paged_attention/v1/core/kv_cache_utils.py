@@ -198,13 +198,14 @@ class FreeKVCacheBlockQueue:
         taken = []
         block = self.fake_free_list_head.next_free_block
         for _ in range(n):
+            # Clearing a taken block's links as the walk leaves it: nothing reads them again.
             taken.append(block)
-            block = block.next_free_block
-        # Relink the head to the first block left, then clear the taken blocks' links.
+            following = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            block = following
+        # Relink the head to the first block left.
         self.fake_free_list_head.next_free_block = block
         block.prev_free_block = self.fake_free_list_head
-        for b in taken:
-            b.prev_free_block = b.next_free_block = None
         self.num_free_blocks -= n
         return taken
 
@@ -215,17 +216,46 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def _insert_after(self, anchor: KVCacheBlock, blocks: Sequence[KVCacheBlock]) -> None:
+        # One pass checks each block and links it. A queued block has a link, and the only
+        # links set so far lead to this call's blocks, so a block already queued still shows
+        # one when it is reached. Then the partial insertion is undone before the error.
         after = anchor.next_free_block
+        prev = anchor
+        for block in blocks:
+            if block.prev_free_block is not None or block.next_free_block is not None:
+                self._undo_insert(anchor, after, prev, blocks)
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = after
+        after.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
+
+    @staticmethod
+    def _undo_insert(anchor: KVCacheBlock, after: KVCacheBlock, last: KVCacheBlock,
+                     blocks: Sequence[KVCacheBlock]) -> None:
+        """Unlink what ``_insert_after`` linked from ``anchor`` to ``last`` (``anchor`` itself
+        pointed to ``after`` before) and raise for the first of ``blocks`` that was queued."""
+        if last is not anchor:
+            block = anchor.next_free_block
+            while True:
+                following = block.next_free_block
+                block.prev_free_block = block.next_free_block = None
+                if block is last:
+                    break
+                block = following
+            anchor.next_free_block = after
+        # The queue is as it was: name the first block queued before the call, or else the
+        # first block given twice (this call had linked it already).
         for block in blocks:
             if block.prev_free_block is not None or block.next_free_block is not None:
                 raise ValueError(f"block {block.block_id} is already in the free queue")
+        seen = set()
         for block in blocks:
-            anchor.next_free_block = block
-            block.prev_free_block = anchor
-            anchor = block
-        anchor.next_free_block = after
-        after.prev_free_block = anchor
-        self.num_free_blocks += len(blocks)
+            if id(block) in seen:
+                raise ValueError(f"block {block.block_id} is given twice")
+            seen.add(id(block))
+        raise AssertionError("_undo_insert called without a queued or repeated block")
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back (evicted last)."""

@@ -230,7 +230,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
         longest = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        needed = sum(cdiv(longest, size) for size in self._full_attention_block_sizes)
+        needed = 0
+        for size in self._full_attention_block_sizes:     # a loop, not sum(): per request
+            needed += cdiv(longest, size)
         if needed > self._usable_blocks:
             raise ValueError(f"request {request.request_id!r} needs {needed} blocks at its full "
                              f"length ({longest} tokens); the KV cache has {self._usable_blocks}")
