@@ -174,25 +174,16 @@ class BlockPool:
         if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
             raise ValueError("block_mask must have one entry per newly full block")
         cached = self.cached_block_hash_to_block
-        cache_map = cached._cache
-        # make_block_hash_with_group_id's suffix, built once for all the blocks.
-        group_suffix = make_block_hash_with_group_id(b"", kv_cache_group_id)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             num_tokens = (i + 1) * block_size
-            key = hashes[i] + group_suffix
+            key = make_block_hash_with_group_id(hashes[i], kv_cache_group_id)
             if block._block_hash is None:
-                # The usual case, a newly full block: _insert_block_hash's first branch, with
-                # set_block_hash's slots written here (its check is the test just made) and
-                # a first block under its key stored bare, as insert would.
-                block._block_hash = key
-                block._block_hash_num_tokens = num_tokens
-                if key in cache_map:
-                    cached.insert(key, block)
-                else:
-                    cache_map[key] = block
+                # The usual case, a newly full block: _insert_block_hash's first branch.
+                block.set_block_hash(key, num_tokens)
+                cached.insert(key, block)
                 continue
             # A block cached for a shorter prefix, now full: its old keys go.
             self._remove_cached_block_hashes(block)

@@ -265,16 +265,6 @@ class KVCacheManager:
                                                          delay_cache_blocks, has_scheduled_reqs)
             if fast is not _NOT_TAKEN:
                 return fast
-        # Admission with no prefix hit (a miss returns the shared empty answer itself): the
-        # call the scheduler makes for each new request of a step, the same zeros.
-        elif (new_computed_blocks is self.empty_kv_cache_blocks and type(num_new_tokens) is int
-                and num_new_tokens > 0 and num_new_computed_tokens is num_lookahead_tokens
-                is num_external_computed_tokens is reserved_blocks is _ZERO
-                and not num_encoder_tokens and self._running_fast_path is not False):
-            fast = self._admit_full_attention(request, num_new_tokens, delay_cache_blocks,
-                                              full_sequence_must_fit, has_scheduled_reqs)
-            if fast is not _NOT_TAKEN:
-                return fast
         # Anything else has each count checked, and the wrong one named.
         plain = (type(num_new_tokens) is type(num_new_computed_tokens) is int
                  and num_new_tokens >= 0 and num_new_computed_tokens >= 0
@@ -396,63 +386,6 @@ class KVCacheManager:
             coordinator.cache_blocks(request, num_tokens_main_model
                                      if num_tokens_main_model < num_tokens else num_tokens)
         return blocks
-
-    def _admit_full_attention(self, request: Request, num_new_tokens: int,
-                              delay_cache_blocks: bool, full_sequence_must_fit: bool,
-                              has_scheduled_reqs: bool) -> KVCacheBlocks | None | object:
-        """``allocate_slots`` for a request not yet running, with no hit blocks, when every
-        group is full attention. The general path then has no window to give blocks back
-        from, no hit to touch, and each group's count (capped or not) is what its table lacks
-        of the length asked; this counts the same in one pass, takes and caches the same
-        blocks. ``_NOT_TAKEN`` where it does not apply (the general path decides)."""
-        if not self._running_fast_path:
-            if self._running_fast_path is False:
-                return _NOT_TAKEN
-            self._running_fast_path = all(type(m) is FullAttentionManager
-                                          for m in self.coordinator.single_type_managers)
-            if not self._running_fast_path:
-                return _NOT_TAKEN
-        request_id, num_tokens = request.request_id, request.num_tokens
-        managers = self.coordinator.single_type_managers
-        max_model_len = self.max_model_len
-        total_computed = request.num_computed_tokens
-        if total_computed > max_model_len:
-            total_computed = max_model_len
-        num_tokens_main_model = total_computed + num_new_tokens
-        num_tokens_need_slot = (num_tokens_main_model if num_tokens_main_model < max_model_len
-                                else max_model_len)
-        full = num_tokens if num_tokens < max_model_len else max_model_len
-        needed = needed_full = 0
-        for m in managers:
-            if request_id in m.num_cached_block:
-                return _NOT_TAKEN       # running in a group: no admission
-            num_held = len(m.req_to_blocks.get(request_id, ()))
-            grow = -(num_tokens_need_slot // -m.block_size) - num_held
-            if grow > 0:
-                needed += grow
-            if full_sequence_must_fit:
-                num_required = -(full // -m.block_size)
-                cap = m.max_admission_blocks_per_request
-                if cap is not None and cap < num_required:
-                    num_required = cap
-                if num_required > num_held:
-                    needed_full += num_required - num_held
-        watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
-                     and request.status in _ADMITTING else 0)
-        num_free = self.block_pool.free_block_queue.num_free_blocks
-        # The general path's two tests in its order (the whole request first), both against
-        # the same free count: nothing is freed in between for full attention.
-        if full_sequence_must_fit and needed_full + watermark > num_free:
-            return None
-        if needed + watermark > num_free:
-            return None
-        coordinator = self.coordinator
-        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot,
-                                                     num_tokens_main_model)
-        if not delay_cache_blocks:
-            coordinator.cache_blocks(request, num_tokens_main_model
-                                     if num_tokens_main_model < num_tokens else num_tokens)
-        return self.create_kv_cache_blocks(new_blocks)
 
     def free(self, request: Request) -> None:
         """Give back every block of ``request``, each group tail first (a prefix shared with
