@@ -172,6 +172,12 @@ def test_append_accepts_numpy_and_tuples():
     bt.append_block_ids(3, (np.array([4, 5], dtype=np.int64), (6,)), overwrite=True)
     bt.apply_staged_writes()
     assert tables(bt)[0][3, :2].tolist() == [4, 5] and tables(bt)[1][3, :1].tolist() == [6]
+    # A list that mixes numpy and plain ints, for a numpy request state: staged as plain ints.
+    bt.append_block_ids(np.int64(2), ([np.int64(7), 8], [np.int32(9)]), overwrite=True)
+    assert [w[2] for w in bt.block_tables[0].staged_writes()] == [(7, 8)]
+    assert all(type(v) is int for table in bt.block_tables for w in table.staged_writes() for v in w[2])
+    bt.apply_staged_writes()
+    assert tables(bt)[0][2, :2].tolist() == [7, 8] and tables(bt)[1][2, :1].tolist() == [9]
 
 
 def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
@@ -288,6 +294,11 @@ def test_many_writes_and_long_rows(impl):
     (lambda bt: bt.append_block_ids(0, ([1], [-2]), overwrite=True), ValueError, ">= 0|between 0"),
     (lambda bt: bt.append_block_ids(0, ([1], [2 ** 31]), overwrite=True), ValueError, "int32|fit"),
     (lambda bt: bt.append_block_ids(0, ([1], ["x"]), overwrite=True), TypeError, "integers"),
+    # A list of ints with one that is not a plain int: a bool or a float is refused.
+    (lambda bt: bt.append_block_ids(0, ([1], [2, True]), overwrite=True), TypeError, "integers"),
+    (lambda bt: bt.append_block_ids(0, ([1, 2.0], [2]), overwrite=True), TypeError, "integers"),
+    (lambda bt: bt.append_block_ids(True, ([1], [1]), overwrite=True), TypeError, "req_index"),
+    (lambda bt: bt.append_block_ids(4.0, ([1], [1]), overwrite=True), TypeError, "req_index"),
     (lambda bt: bt.append_block_ids(0, ([1], [1]), overwrite=1), TypeError, "bool"),
     # Group 1 (block size 32) has 7 columns; request 0 holds 2 of them.
     (lambda bt: bt.append_block_ids(0, ([1], list(range(6))), overwrite=False), ValueError, "max_model_len"),

@@ -38,6 +38,7 @@ a CUDA-graph capture, when values cannot be read.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -127,7 +128,9 @@ class BlockTables:
         ``apply_staged_writes``. Every group is checked before any is staged: ids past a row's
         width, or overlapping a write staged since the last apply, raise ValueError.
         """
-        req = self._check_req_index(req_index)
+        # A plain int in range (the model runner's rows) is the request state as it is.
+        req = req_index if type(req_index) is int and 0 <= req_index < self.max_num_reqs else \
+            self._check_req_index(req_index)
         if not isinstance(overwrite, (bool, np.bool_)):
             raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
         if isinstance(new_block_ids, (str, bytes)) or not isinstance(new_block_ids, (tuple, list)):
@@ -145,7 +148,10 @@ class BlockTables:
     def _checked_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
         """``(start column, ids)`` of group ``g``'s write, checked; nothing is staged here."""
         table = self.block_tables[g]
-        values = ids if type(ids) is list and all(type(v) is int for v in ids) else table.as_values(ids)
+        # A list of plain ints (the scheduler's) is counted in C and taken as it is; anything
+        # else goes through as_values, which checks each value and makes that list.
+        values = ids if type(ids) is list and operator.countOf(map(type, ids), int) == len(ids) \
+            else table.as_values(ids)
         if values and (min(values) < 0 or max(values) > _INT32_MAX):
             raise ValueError(f"block ids must be between 0 and {_INT32_MAX} (int32), got "
                              f"{min(values)} .. {max(values)} for group {g}")
@@ -156,7 +162,8 @@ class BlockTables:
             raise ValueError(f"request state {req} would hold {end} blocks in group {g} ({start} + {len(values)}), "
                              f"but its table has {width} columns: cdiv(max_model_len={self.max_model_len}, "
                              f"block_size={self.block_sizes[g]}); that is past max_model_len")
-        earlier = table.overlaps_staged(req, start, end) if values else None
+        # (Only a row with writes staged since the last apply can overlap one: most have none.)
+        earlier = table.overlaps_staged(req, start, end) if values and req in table._staged_ranges else None
         if earlier is not None:
             raise ValueError(f"columns {start}..{end - 1} of request state {req} in group {g} overlap columns "
                              f"{earlier[0]}..{earlier[1] - 1} staged earlier in this step; staged writes are "
