@@ -207,13 +207,13 @@ class LLM:
         # many prompts is checked and copied once, with its first prompt (so the errors come in
         # the same order as checking each request whole); the prompts after share its copy.
         # A token-id prompt (no text) is a list of plain ints by now (_encode saw to it), so
-        # its types are not counted again.
+        # the prompts after the first are not counted again.
         engine, checked = self.engine, {}
         for (token_ids, text), p in zip(encoded, params):
-            own = checked.get(id(p))
-            if own is None:
-                own = checked[id(p)] = engine._checked_params(p)
-            engine._check_with_params(token_ids, own, plain_ints=text is None)
+            if id(p) in checked:
+                engine._check_with_params(token_ids, checked[id(p)], plain_ints=text is None)
+            else:
+                checked[id(p)] = engine.check_request(token_ids, p)
         return self._run(encoded, [checked[id(p)] for p in params], use_tqdm)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],

@@ -198,16 +198,11 @@ class LLMEngine:
         holds every block, preempts it again and again (V1) or drops it cut short (V0); here it
         is refused before anything runs, so that every request accepted runs to its end.
         """
-        params = self._checked_params(params)
-        self._check_with_params(prompt_token_ids, params)
-        return params
-
-    @staticmethod
-    def _checked_params(params: SamplingParams) -> SamplingParams:
-        """``check_request``'s first half: the params' type, and their copy checked again."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        return dataclasses.replace(params)             # a copy, checked again by its __post_init__
+        params = dataclasses.replace(params)           # a copy, checked again by its __post_init__
+        self._check_with_params(prompt_token_ids, params)
+        return params
 
     def _check_with_params(self, prompt_token_ids: list[int], params: SamplingParams, *,
                            plain_ints: bool = False) -> None:
