@@ -128,9 +128,11 @@ class BlockTables:
         ``apply_staged_writes``. Every group is checked before any is staged: ids past a row's
         width, or overlapping a write staged since the last apply, raise ValueError.
         """
-        # A plain int in range (the model runner's rows) is the request state as it is.
-        req = req_index if type(req_index) is int and 0 <= req_index < self.max_num_reqs else \
-            self._check_req_index(req_index)
+        if (type(req_index) is int and 0 <= req_index < self.max_num_reqs and type(overwrite) is bool
+                and type(new_block_ids) is tuple and len(new_block_ids) == self.num_kv_cache_groups
+                and self._stage_plain(req_index, new_block_ids, overwrite)):
+            return
+        req = self._check_req_index(req_index)
         if not isinstance(overwrite, (bool, np.bool_)):
             raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
         if isinstance(new_block_ids, (str, bytes)) or not isinstance(new_block_ids, (tuple, list)):
@@ -144,6 +146,29 @@ class BlockTables:
             if values:
                 self.block_tables[g]._stage(req, start, values)
             self.num_blocks.np[g, req] = start + len(values)
+
+    def _stage_plain(self, req: int, new_block_ids: tuple, overwrite: bool) -> bool:
+        """``append_block_ids`` for the model runner's usual write, whose every part passes
+        its checks at a glance: lists of plain ints within int32, that fit the row, in a row
+        with nothing staged since the last apply (so nothing to overlap), under the limit of
+        staged writes. Anything else returns False with nothing staged, and the full checks
+        then stage it or raise their error."""
+        counts = self.num_blocks.np
+        for g, ids in enumerate(new_block_ids):         # every group passes before any is staged
+            table = self.block_tables[g]
+            if type(ids) is not list or operator.countOf(map(type, ids), int) != len(ids):
+                return False
+            if ids and (min(ids) < 0 or max(ids) > _INT32_MAX or req in table._staged_ranges
+                        or len(table._staged_write_indices) >= table.num_rows):
+                return False
+            if (0 if overwrite else int(counts[g, req])) + len(ids) > self.max_num_blocks_per_group[g]:
+                return False
+        for g, ids in enumerate(new_block_ids):
+            start = 0 if overwrite else int(counts[g, req])
+            if ids:
+                self.block_tables[g]._stage(req, start, ids)
+            counts[g, req] = start + len(ids)
+        return True
 
     def _checked_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
         """``(start column, ids)`` of group ``g``'s write, checked; nothing is staged here."""
