@@ -233,7 +233,8 @@ class LlamaForCausalLM:
             # All plain ints (the usual prompt) is counted in C; anything else is looked at.
             # A list the caller vouches for is not counted again (the promise is only taken
             # for a list, the one kind of sequence its caller makes).
-            if not (plain_ints and type(token_ids) is list) and operator.countOf(map(type, ids), int) != len(ids) and \
+            vouched = plain_ints and type(token_ids) is list
+            if not vouched and operator.countOf(map(type, ids), int) != len(ids) and \
                     not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError("token ids must be ints")
             if not ids:
