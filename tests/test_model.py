@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -487,3 +488,19 @@ def test_prefill_logits_equal_transformers(smollm, tokenizer, hf_model):
     with torch.inference_mode():
         theirs = hf_model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(ours, theirs.float(), atol=5e-4, rtol=0)   # measured: 4e-5 on logits up to 30
+
+
+def test_check_token_ids_trusts_only_a_list_it_is_told_holds_plain_ints():
+    """``plain_ints=True`` skips the type count for a list (the engine has counted it), but the
+    range is checked all the same, and any other sequence is checked whole."""
+    model = LlamaForCausalLM(TINY, TINY_WEIGHTS, attention="reference")
+    model.check_token_ids([0, TINY.vocab_size - 1], plain_ints=True)
+    for bad in (TINY.vocab_size, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+            model.check_token_ids([1, bad], plain_ints=True)
+    for ids in ((1, True), (1, np.int64(2)), iter([1, 2.0])):
+        with pytest.raises(TypeError, match="token ids must be ints"):
+            model.check_token_ids(ids, plain_ints=True)
+    once = iter([1, 2, TINY.vocab_size])               # an iterator is read once, and checked
+    with pytest.raises(ValueError, match="outside"):
+        model.check_token_ids(once)

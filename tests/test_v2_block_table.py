@@ -172,6 +172,12 @@ def test_append_accepts_numpy_and_tuples():
     bt.append_block_ids(3, (np.array([4, 5], dtype=np.int64), (6,)), overwrite=True)
     bt.apply_staged_writes()
     assert tables(bt)[0][3, :2].tolist() == [4, 5] and tables(bt)[1][3, :1].tolist() == [6]
+    # A list that mixes numpy and plain ints, for a numpy request state: staged as plain ints.
+    bt.append_block_ids(np.int64(2), ([np.int64(7), 8], [np.int32(9)]), overwrite=True)
+    assert [w[2] for w in bt.block_tables[0].staged_writes()] == [(7, 8)]
+    assert all(type(v) is int for table in bt.block_tables for w in table.staged_writes() for v in w[2])
+    bt.apply_staged_writes()
+    assert tables(bt)[0][2, :2].tolist() == [7, 8] and tables(bt)[1][2, :1].tolist() == [9]
 
 
 def test_fast_apply_is_one_launch_for_all_groups(monkeypatch):
@@ -288,6 +294,11 @@ def test_many_writes_and_long_rows(impl):
     (lambda bt: bt.append_block_ids(0, ([1], [-2]), overwrite=True), ValueError, ">= 0|between 0"),
     (lambda bt: bt.append_block_ids(0, ([1], [2 ** 31]), overwrite=True), ValueError, "int32|fit"),
     (lambda bt: bt.append_block_ids(0, ([1], ["x"]), overwrite=True), TypeError, "integers"),
+    # A list of ints with one that is not a plain int: a bool or a float is refused.
+    (lambda bt: bt.append_block_ids(0, ([1], [2, True]), overwrite=True), TypeError, "integers"),
+    (lambda bt: bt.append_block_ids(0, ([1, 2.0], [2]), overwrite=True), TypeError, "integers"),
+    (lambda bt: bt.append_block_ids(True, ([1], [1]), overwrite=True), TypeError, "req_index"),
+    (lambda bt: bt.append_block_ids(4.0, ([1], [1]), overwrite=True), TypeError, "req_index"),
     (lambda bt: bt.append_block_ids(0, ([1], [1]), overwrite=1), TypeError, "bool"),
     # Group 1 (block size 32) has 7 columns; request 0 holds 2 of them.
     (lambda bt: bt.append_block_ids(0, ([1], list(range(6))), overwrite=False), ValueError, "max_model_len"),
@@ -748,3 +759,41 @@ def test_apply_launched_as_under_capture_uses_the_count_in_the_buffer(rows, prog
     after[1][2, 2:5] = 0
     assert all(np.array_equal(a, b) for a, b in zip(after, before))
     assert host(bt._num_blocks_device).tolist() == bt.num_blocks.np.tolist()
+
+
+@pytest.mark.parametrize("ids,overwrite,error,match", [
+    (([1], [-2]), True, ValueError, "between 0"),
+    (([2 ** 31], [1]), True, ValueError, "int32"),
+    (([1, True], [1]), True, TypeError, "integers"),
+    (([1], [2.0]), True, TypeError, "integers"),
+    (([1], list(range(1, 9))), True, ValueError, "max_model_len"),       # group 1 has 7 columns
+    (([1], [1]), np.bool_(True), None, None),                         # a numpy bool is a bool
+])
+def test_appends_to_a_row_with_nothing_staged(ids, overwrite, error, match):
+    """A row with no write staged since the last apply (the model runner's usual append) is
+    checked as thoroughly as any: the same errors, nothing changed."""
+    bt = make()
+    bt.append_block_ids(1, ([1, 2], [3]), overwrite=True)
+    bt.apply_staged_writes()
+    before = snapshot(bt)
+    if error is None:
+        bt.append_block_ids(1, ids, overwrite=overwrite)
+        bt.apply_staged_writes()
+        assert tables(bt)[0][1, :1].tolist() == ids[0] and bt.num_blocks.np[:, 1].tolist() == [1, 1]
+        return
+    with pytest.raises(error, match=match):
+        bt.append_block_ids(1, ids, overwrite=overwrite)
+    assert_same(snapshot(bt), before)
+
+
+def test_the_staged_write_limit_holds_for_a_row_with_nothing_staged():
+    bt = make()
+    bt.append_block_ids(0, ([1], []), overwrite=True)
+    bt.append_block_ids(0, ([2], []), overwrite=False)                # a second write to row 0
+    for req in range(1, MAX_REQS - 1):
+        bt.append_block_ids(req, ([req + 10], []), overwrite=True)
+    assert bt.block_tables[0].num_staged_writes == MAX_REQS
+    before = snapshot(bt)
+    with pytest.raises(ValueError, match="staged writes already"):
+        bt.append_block_ids(MAX_REQS - 1, ([7], []), overwrite=True)   # a row with nothing staged
+    assert_same(snapshot(bt), before)

@@ -206,10 +206,12 @@ class LLM:
         # changed since they were made); each keeps the checked copy. A params object given for
         # many prompts is checked and copied once, with its first prompt (so the errors come in
         # the same order as checking each request whole); the prompts after share its copy.
+        # A token-id prompt (no text) is a list of plain ints by now (_encode saw to it), so
+        # the prompts after the first are not counted again.
         engine, checked = self.engine, {}
-        for (token_ids, _), p in zip(encoded, params):
+        for (token_ids, text), p in zip(encoded, params):
             if id(p) in checked:
-                engine._check_with_params(token_ids, checked[id(p)])
+                engine._check_with_params(token_ids, checked[id(p)], plain_ints=text is None)
             else:
                 checked[id(p)] = engine.check_request(token_ids, p)
         return self._run(encoded, [checked[id(p)] for p in params], use_tqdm)

@@ -171,11 +171,12 @@ class LLMEngine:
         return self.runner.graphs
 
     # ---- requests -------------------------------------------------------------------------
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Typed errors for a prompt the engine can never run; nothing changes."""
+    def check_prompt(self, prompt_token_ids: list[int], *, plain_ints: bool = False) -> None:
+        """Typed errors for a prompt the engine can never run; nothing changes. ``plain_ints``:
+        the caller has found the prompt a list of plain ints (see ``check_token_ids``)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: a request needs at least one token")
-        self.model.check_token_ids(prompt_token_ids)
+        self.model.check_token_ids(prompt_token_ids, plain_ints=plain_ints)
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens, but the model's context is {self.max_model_len} "
@@ -203,10 +204,11 @@ class LLMEngine:
         self._check_with_params(prompt_token_ids, params)
         return params
 
-    def _check_with_params(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_with_params(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                           plain_ints: bool = False) -> None:
         """``check_request`` for params it has already checked (``LLM.generate`` checks each
         params object of a call once, and then every prompt that uses it with this)."""
-        self.check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids, plain_ints=plain_ints)
         n = len(prompt_token_ids)
         longest = min(n + params.max_tokens, self.max_model_len) - 1
         usable, why = self.core.usable_blocks

@@ -99,15 +99,20 @@ class RequestStates:
         if not 0 < len(token_ids) <= self.max_model_len or not 0 <= num_computed < len(token_ids):
             raise ValueError(f"request {req_id!r}: {len(token_ids)} tokens ({num_computed} computed) do not fit "
                              f"a request state of max_model_len={self.max_model_len}")
-        row = self._free.pop()
+        # The tokens go into the row while it is still free, and the params are read, before
+        # anything is taken: a token int32 cannot hold (or params without ``greedy``) fails
+        # here with every request's state as it was (a free row's tokens are never read).
+        row = self._free[-1]
+        self.token_ids[row, :len(token_ids)] = token_ids
+        greedy = params.greedy
+        self._free.pop()
         self._rows_key = self._greedy_rows = None      # a request's row may have changed
         self.index_of[req_id] = row
         self.req_ids[row] = req_id
-        self.token_ids[row, :len(token_ids)] = token_ids
         self.prefill_len[row] = len(token_ids)
         self.num_computed[row] = num_computed
         self.params[row] = params
-        self.greedy[row] = params.greedy
+        self.greedy[row] = greedy
         return row
 
     def remove(self, req_id: str) -> Optional[int]:

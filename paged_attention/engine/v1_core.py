@@ -14,6 +14,7 @@ tokens added (unless ``ignore_eos``).
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 from paged_attention.engine.sampling_params import SamplingParams
 from paged_attention.kv_cache.interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -54,6 +55,7 @@ class V1Core:
         # Prompt tokens found in the prefix cache when each request was first admitted.
         self.num_cached_tokens: dict[str, int] = {}
         self._last_params: tuple = (None, None, None)     # see add_request
+        self._usable_blocks: Optional[tuple[int, str]] = None
 
     @property
     def kv_cache_manager(self):
@@ -65,8 +67,12 @@ class V1Core:
 
     @property
     def usable_blocks(self) -> tuple[int, str]:
-        """The most blocks one request can ever hold, and why not all of the pool's."""
-        return self.num_gpu_blocks - 1, f"{self.num_gpu_blocks} blocks, block 0 being the null block"
+        """The most blocks one request can ever hold, and why not all of the pool's (made once:
+        the engine asks for every prompt, and the pool never changes size)."""
+        if self._usable_blocks is None:
+            self._usable_blocks = (self.num_gpu_blocks - 1,
+                                   f"{self.num_gpu_blocks} blocks, block 0 being the null block")
+        return self._usable_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     stop_ids: frozenset[int]) -> None:

@@ -216,8 +216,10 @@ class LlamaForCausalLM:
         key_cache, value_cache = kv_caches[0]
         return key_cache.size(1) if key_cache.dim() == 4 else value_cache.size(3)
 
-    def check_token_ids(self, token_ids: torch.Tensor | list[int]) -> None:
-        """ValueError unless every id is in ``[0, vocab_size)``; TypeError unless they are ints."""
+    def check_token_ids(self, token_ids: torch.Tensor | list[int], *, plain_ints: bool = False) -> None:
+        """ValueError unless every id is in ``[0, vocab_size)``; TypeError unless they are ints.
+        ``plain_ints``: the caller has already found ``token_ids`` to be a list of plain ints (no
+        bools), as ``LLM`` does for every token-id prompt; then only their range is checked."""
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"token ids must be int64 (or int32), got {token_ids.dtype}")
@@ -225,9 +227,14 @@ class LlamaForCausalLM:
                 return
             lo, hi = torch.stack([token_ids.min(), token_ids.max()]).tolist()
         else:
-            ids = list(token_ids)
+            # A list or tuple is read as it is (nothing here changes it); anything else is
+            # listed first, since it may be an iterator that can be read only once.
+            ids = token_ids if type(token_ids) in (list, tuple) else list(token_ids)
             # All plain ints (the usual prompt) is counted in C; anything else is looked at.
-            if operator.countOf(map(type, ids), int) != len(ids) and \
+            # A list the caller vouches for is not counted again (the promise is only taken
+            # for a list, the one kind of sequence its caller makes).
+            vouched = plain_ints and type(token_ids) is list
+            if not vouched and operator.countOf(map(type, ids), int) != len(ids) and \
                     not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise TypeError("token ids must be ints")
             if not ids:

@@ -38,6 +38,7 @@ a CUDA-graph capture, when values cannot be read.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -127,6 +128,10 @@ class BlockTables:
         ``apply_staged_writes``. Every group is checked before any is staged: ids past a row's
         width, or overlapping a write staged since the last apply, raise ValueError.
         """
+        if (type(req_index) is int and 0 <= req_index < self.max_num_reqs and type(overwrite) is bool
+                and type(new_block_ids) is tuple and len(new_block_ids) == self.num_kv_cache_groups
+                and self._stage_plain(req_index, new_block_ids, overwrite)):
+            return
         req = self._check_req_index(req_index)
         if not isinstance(overwrite, (bool, np.bool_)):
             raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
@@ -142,10 +147,36 @@ class BlockTables:
                 self.block_tables[g]._stage(req, start, values)
             self.num_blocks.np[g, req] = start + len(values)
 
+    def _stage_plain(self, req: int, new_block_ids: tuple, overwrite: bool) -> bool:
+        """``append_block_ids`` for the model runner's usual write, whose every part passes
+        its checks at a glance: lists of plain ints within int32, that fit the row, in a row
+        with nothing staged since the last apply (so nothing to overlap), under the limit of
+        staged writes. Anything else returns False with nothing staged, and the full checks
+        then stage it or raise their error."""
+        counts = self.num_blocks.np
+        for g, ids in enumerate(new_block_ids):         # every group passes before any is staged
+            table = self.block_tables[g]
+            if type(ids) is not list or operator.countOf(map(type, ids), int) != len(ids):
+                return False
+            if ids and (min(ids) < 0 or max(ids) > _INT32_MAX or req in table._staged_ranges
+                        or len(table._staged_write_indices) >= table.num_rows):
+                return False
+            if (0 if overwrite else int(counts[g, req])) + len(ids) > self.max_num_blocks_per_group[g]:
+                return False
+        for g, ids in enumerate(new_block_ids):
+            start = 0 if overwrite else int(counts[g, req])
+            if ids:
+                self.block_tables[g]._stage(req, start, ids)
+            counts[g, req] = start + len(ids)
+        return True
+
     def _checked_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
         """``(start column, ids)`` of group ``g``'s write, checked; nothing is staged here."""
         table = self.block_tables[g]
-        values = ids if type(ids) is list and all(type(v) is int for v in ids) else table.as_values(ids)
+        # A list of plain ints (the scheduler's) is counted in C and taken as it is; anything
+        # else goes through as_values, which checks each value and makes that list.
+        values = ids if type(ids) is list and operator.countOf(map(type, ids), int) == len(ids) \
+            else table.as_values(ids)
         if values and (min(values) < 0 or max(values) > _INT32_MAX):
             raise ValueError(f"block ids must be between 0 and {_INT32_MAX} (int32), got "
                              f"{min(values)} .. {max(values)} for group {g}")
@@ -156,7 +187,8 @@ class BlockTables:
             raise ValueError(f"request state {req} would hold {end} blocks in group {g} ({start} + {len(values)}), "
                              f"but its table has {width} columns: cdiv(max_model_len={self.max_model_len}, "
                              f"block_size={self.block_sizes[g]}); that is past max_model_len")
-        earlier = table.overlaps_staged(req, start, end) if values else None
+        # (Only a row with writes staged since the last apply can overlap one: most have none.)
+        earlier = table.overlaps_staged(req, start, end) if values and req in table._staged_ranges else None
         if earlier is not None:
             raise ValueError(f"columns {start}..{end - 1} of request state {req} in group {g} overlap columns "
                              f"{earlier[0]}..{earlier[1] - 1} staged earlier in this step; staged writes are "
