@@ -354,3 +354,56 @@ def test_the_step_stats_cover_every_moment_of_a_step(model, monkeypatch):
         llm.generate(prompts(4, length=12), params, use_tqdm=False)
         assert len(checked) >= len(engine.step_stats) - 1
         assert [took for took, _ in checked] == [rec for _, rec in checked], kw
+
+
+@pytest.mark.parametrize("block_tables", ["v2", "v2-vllm", "v1"])
+def test_a_block_boundary_step_appends_what_one_row_at_a_time_appends(block_tables):
+    # Every running request gains a block on the same step (one batch of appends), some gain
+    # none; a resumed request makes the runner write one row at a time. The tables must end as
+    # set_row one row at a time leaves them; a bad id in the batch raises set_row's error, and
+    # with v2's tables no row changes.
+    import types
+    from paged_attention.engine.model_runner import ModelRunner
+    from paged_attention.engine.tables import make_step_tables
+
+    def runner():
+        states = RequestStates(8, 64, CPU)
+        tables = make_step_tables(block_tables, 4, 8, 64, 64, CPU)
+        for i in range(6):
+            tables.set_row(states.add(f"r{i}", [1, 2, 3], 0, GREEDY), [10 * i], overwrite=True)
+        if block_tables != "v1":
+            tables.tables.apply_staged_writes()
+        return types.SimpleNamespace(states=states, tables=tables, _generators={}, num_preemptions=0)
+
+    def counts(r):
+        t = r.tables
+        return (t.tables.num_blocks.np[0].tolist() if block_tables != "v1" else t.table.num_blocks_per_row.tolist())
+
+    def step(new, resumed=frozenset()):
+        ids = [f"r{i}" for i in range(6)]
+        return SchedulerOutput([], CachedRequestData(ids, set(resumed), {}, new, [4] * 6, [1] * 6), {}, 0, set())
+
+    new = [([61],), None, ([63],), ([],), ([65, 66],), ([67],)]
+    batched, single = runner(), runner()
+    ModelRunner.update_states(batched, step(new))
+    for i, ids in enumerate(new):
+        if ids and ids[0]:
+            single.tables.set_row(single.states.index_of[f"r{i}"], ids[0], overwrite=False)
+    assert counts(batched) == counts(single) == [2, 1, 2, 1, 3, 2, 0, 0]
+    ModelRunner.update_states(batched, step([([70],), ([71],), None, None, None, None], resumed={"r1"}))
+    assert counts(batched)[:2] == [3, 1]
+    if block_tables != "v1":
+        assert batched.tables.tables.block_tables[0].staged_writes() == [
+            (0, 1, (61,)), (2, 1, (63,)), (4, 1, (65, 66)), (5, 1, (67,)), (0, 2, (70,)), (1, 0, (71,))]
+
+    if block_tables != "v1":
+        batched.tables.tables.apply_staged_writes()
+    bad = [([80],), ([81],), ([-1],), ([83],), None, None]
+    before = counts(batched)
+    with pytest.raises(ValueError) as got:
+        ModelRunner.update_states(batched, step(bad))
+    with pytest.raises(ValueError) as want:
+        single.tables.set_row(2, [-1], overwrite=False)
+    assert str(got.value) == str(want.value)
+    if block_tables != "v1":                # v1's rows are written one at a time
+        assert counts(batched) == before

@@ -307,11 +307,20 @@ class ModelRunner:
         if new_block_ids.count(None) == len(new_block_ids):
             return                              # no request gained a block (most decode steps)
         resumed = cached.resumed_req_ids
-        for i in itertools.compress(range(len(new_block_ids)), map(operator.is_not, new_block_ids,
-                                                                     itertools.repeat(None))):
-            new_ids, req_id = new_block_ids[i], cached.req_ids[i]
-            if new_ids[0] or req_id in resumed:
-                self.tables.set_row(int(rows[i]), new_ids[0], overwrite=req_id in resumed)
+        gained = list(itertools.compress(range(len(new_block_ids)), map(operator.is_not, new_block_ids,
+                                                                          itertools.repeat(None))))
+        if resumed and not resumed.isdisjoint(map(cached.req_ids.__getitem__, gained)):
+            # A resumed request's blocks replace its row (rare: after a preemption): one by one.
+            for i in gained:
+                new_ids, req_id = new_block_ids[i], cached.req_ids[i]
+                if new_ids[0] or req_id in resumed:
+                    self.tables.set_row(int(rows[i]), new_ids[0], overwrite=req_id in resumed)
+            return
+        # Only appends: one batch for them all (on a block-boundary step every running request
+        # gains a block, and one call per request would cost the host that many checks).
+        picked = [i for i in gained if new_block_ids[i][0]]
+        if picked:
+            self.tables.append_rows(rows[picked], [new_block_ids[i][0] for i in picked])
 
     def batch_index(self, req_ids: list[str]) -> tuple[list[str], dict[str, int]]:
         """``req_ids`` and each one's position in it. The same requests as the last batch's, in

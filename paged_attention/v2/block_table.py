@@ -38,6 +38,7 @@ a CUDA-graph capture, when values cannot be read.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -156,10 +157,9 @@ class BlockTables:
         counts = self.num_blocks.np
         for g, ids in enumerate(new_block_ids):         # every group passes before any is staged
             table = self.block_tables[g]
-            if type(ids) is not list or operator.countOf(map(type, ids), int) != len(ids):
+            if not _plain_ids(ids):
                 return False
-            if ids and (min(ids) < 0 or max(ids) > _INT32_MAX or req in table._staged_ranges
-                        or len(table._staged_write_indices) >= table.num_rows):
+            if ids and (req in table._staged_ranges or len(table._staged_write_indices) >= table.num_rows):
                 return False
             if (0 if overwrite else int(counts[g, req])) + len(ids) > self.max_num_blocks_per_group[g]:
                 return False
@@ -169,6 +169,92 @@ class BlockTables:
                 self.block_tables[g]._stage(req, start, ids)
             counts[g, req] = start + len(ids)
         return True
+
+    def append_block_ids_batch(self, req_indices: Union[Sequence[int], np.ndarray],
+                               new_block_ids: Sequence[Sequence[Sequence[int]]], overwrite: bool) -> None:
+        """``append_block_ids(req_indices[i], new_block_ids[i], overwrite)`` for every ``i`` in
+        order, as one operation: the same ids staged and the same counts. For bad input it
+        raises what the first bad entry raises one by one, and then nothing of the batch is
+        staged or counted (the entries before it included).
+
+        A step where many requests gain a block (every ``block_size`` tokens in lockstep) costs
+        one check over the batch instead of one call per request. Anything that check does not
+        pass at a glance (a row twice, a row with writes staged already, ids that are not lists
+        of plain ints, a row that would overflow...) goes entry by entry through
+        ``append_block_ids`` itself, undone if an entry fails: its checks are the only rules.
+        """
+        if isinstance(req_indices, (str, bytes)) or not isinstance(req_indices, (list, tuple, range, np.ndarray)):
+            raise TypeError(f"req_indices must be a list or 1-D array of request states, got {req_indices!r}")
+        if isinstance(new_block_ids, (str, bytes)) or not isinstance(new_block_ids, (list, tuple)):
+            raise TypeError(f"new_block_ids must be a list with one entry per request state, got {new_block_ids!r}")
+        if len(req_indices) != len(new_block_ids):
+            raise ValueError(f"req_indices has {len(req_indices)} entries but new_block_ids has {len(new_block_ids)}")
+        if not self._stage_plain_batch(req_indices, new_block_ids, overwrite):
+            self._append_each(req_indices, new_block_ids, overwrite)
+
+    def _stage_plain_batch(self, req_indices: Union[Sequence[int], np.ndarray], new_block_ids: Sequence,
+                           overwrite: bool) -> bool:
+        """``_stage_plain`` over a batch: checked as a whole (per group, not per request), then
+        staged; False, with nothing staged, for any batch it cannot pass at a glance."""
+        n = len(new_block_ids)
+        if type(overwrite) is not bool:
+            return False
+        if n == 0:
+            return True
+        if isinstance(req_indices, np.ndarray):
+            if req_indices.ndim != 1 or req_indices.dtype.kind not in "iu":
+                return False
+            rows = req_indices.astype(np.int64)
+        elif operator.countOf(map(type, req_indices), int) == n:
+            rows = np.fromiter(req_indices, dtype=np.int64, count=n)
+        else:
+            return False
+        num_groups = self.num_kv_cache_groups
+        if (int(rows.min()) < 0 or int(rows.max()) >= self.max_num_reqs
+                or operator.countOf(map(type, new_block_ids), tuple) != n
+                or operator.countOf(map(len, new_block_ids), num_groups) != n):
+            return False
+        row_list = rows.tolist()
+        if len(set(row_list)) != n:
+            return False                   # a row twice: its second write starts where the first ends
+        counts = self.num_blocks.np
+        plans = []
+        for g in range(num_groups):        # every group passes before any is staged
+            table = self.block_tables[g]
+            lists = [ids[g] for ids in new_block_ids]
+            if operator.countOf(map(type, lists), list) != n:
+                return False
+            flat = list(itertools.chain.from_iterable(lists))
+            if not _plain_ids(flat) or not table._staged_ranges.keys().isdisjoint(row_list):
+                return False
+            lens = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+            starts = np.zeros(n, dtype=np.int64) if overwrite else counts[g, rows].astype(np.int64)
+            ends = starts + lens
+            written = lens > 0
+            if (int(ends.max()) > self.max_num_blocks_per_group[g]
+                    or table.num_staged_writes + int(written.sum()) > table.num_rows):
+                return False
+            plans.append((rows[written].tolist(), starts[written].tolist(), flat, lens[written], ends))
+        for g, (indices, starts, flat, lens, ends) in enumerate(plans):
+            if indices:
+                self.block_tables[g]._stage_many(indices, starts, flat, lens)
+            counts[g, rows] = ends
+        return True
+
+    def _append_each(self, req_indices: Union[Sequence[int], np.ndarray], new_block_ids: Sequence,
+                     overwrite: bool) -> None:
+        """The batch one entry at a time; if one raises, the counts and staged writes go back to
+        what they were before the batch, and its error propagates."""
+        counts = self.num_blocks.np.copy()
+        marks = [table.staged_mark() for table in self.block_tables]
+        try:
+            for req, ids in zip(req_indices, new_block_ids):
+                self.append_block_ids(req, ids, overwrite)
+        except BaseException:
+            self.num_blocks.np[...] = counts
+            for table, mark in zip(self.block_tables, marks):
+                table.rollback_staged(mark)
+            raise
 
     def _checked_write(self, g: int, req: int, ids: Any, overwrite: bool) -> tuple[int, list]:
         """``(start column, ids)`` of group ``g``'s write, checked; nothing is staged here."""
@@ -365,6 +451,13 @@ class BlockTables:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(block_sizes={self.block_sizes}, max_num_reqs={self.max_num_reqs}, "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}, max_model_len={self.max_model_len})")
+
+
+def _plain_ids(ids: Any) -> bool:
+    """Whether ``ids`` is a list of plain ints within int32: block ids that pass every value
+    check as they are (the scheduler's; counted in C, not checked one by one)."""
+    return (type(ids) is list and operator.countOf(map(type, ids), int) == len(ids)
+            and (not ids or (min(ids) >= 0 and max(ids) <= _INT32_MAX)))
 
 
 # ---- The slot-mapping grid, as a list -------------------------------------------------------------

@@ -440,6 +440,36 @@ class StagedWriteTensor:
         self._staged_write_cu_lens.append(len(self._staged_write_contents))
         self._staged_ranges.setdefault(index, []).append((start, start + len(values)))
 
+    def _stage_many(self, indices: list[int], starts: list[int], values: list, lens: np.ndarray) -> None:
+        """``_stage`` for several writes, already checked and none empty: write ``k`` covers
+        ``lens[k]`` values of ``values``, after those of the writes before it."""
+        base = len(self._staged_write_contents)
+        ends = (np.cumsum(lens) + base).tolist()
+        self._staged_write_indices += indices
+        self._staged_write_starts += starts
+        self._staged_write_contents += values
+        self._staged_write_cu_lens += ends
+        ranges = self._staged_ranges
+        for index, start, end, begin in zip(indices, starts, ends, [base] + ends):
+            ranges.setdefault(index, []).append((start, start + end - begin))
+
+    def staged_mark(self) -> tuple[int, int]:
+        """Where the staged writes end now: ``rollback_staged(mark)`` forgets those staged after."""
+        return len(self._staged_write_indices), len(self._staged_write_contents)
+
+    def rollback_staged(self, mark: tuple[int, int]) -> None:
+        """Forget the writes staged since ``staged_mark()`` returned ``mark`` (a batch of
+        writes that failed part-way); those staged before stay, as they were."""
+        num_writes, num_values = mark
+        del self._staged_write_indices[num_writes:], self._staged_write_starts[num_writes:]
+        del self._staged_write_cu_lens[num_writes:], self._staged_write_contents[num_values:]
+        self._staged_ranges = {}
+        begin = 0
+        for index, start, end in zip(self._staged_write_indices, self._staged_write_starts,
+                                     self._staged_write_cu_lens):
+            self._staged_ranges.setdefault(index, []).append((start, start + end - begin))
+            begin = end
+
     def overlaps_staged(self, index: int, start: int, end: int) -> Optional[tuple[int, int]]:
         """The first range ``(s, e)`` staged in row ``index`` since the last apply/clear that
         overlaps elements ``start .. end-1``, or None."""
