@@ -441,3 +441,13 @@ def test_a_manager_that_overrides_allocate_slots_is_asked_for_every_running_requ
     del calls[:]
     step(s)
     assert calls == [("a", 1), ("b", 1)]
+
+
+def test_every_attribute_a_request_is_made_with_has_a_slot():
+    # The scheduler reaches a dozen of a request's attributes per step; past 30 attributes
+    # CPython keeps them in a plain dict unless they have slots. One set in the constructor
+    # without a slot would land in __dict__ (still correct, only slower): none may.
+    r = request("a", [1, 2, 3])
+    assert vars(r) == {}
+    r.anything_else = 1         # attributes set from outside still work
+    assert r.anything_else == 1 and vars(r) == {"anything_else": 1}

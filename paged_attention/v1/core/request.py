@@ -118,6 +118,22 @@ class Request:
     the block hashes, so that different adapters or salts never share cached blocks.
     """
 
+    # Slots for what the constructor sets: the scheduler reads and writes a dozen of these per
+    # request and step, and CPython keeps the attributes of an object with more than 30 of them
+    # in a plain dict (slower to reach than a slot). ``__dict__`` stays, for attributes set
+    # from outside.
+    __slots__ = (
+        "request_id", "client_index", "priority", "sampling_params", "pooling_params",
+        "lora_request", "cache_salt", "trace_headers", "arrival_time", "max_tokens", "status",
+        "stop_reason", "events", "prompt_token_ids", "num_prompt_tokens", "_output_token_ids",
+        "_all_token_ids", "num_computed_tokens", "num_output_placeholders",
+        "num_stale_output_tokens", "drop_stale_output", "num_in_flight_tokens", "spec_token_ids",
+        "is_prefill_chunk", "num_preemptions", "shared_prefix_boundary",
+        "num_cache_checked_blocks", "skip_reading_prefix_cache", "_output_view", "_all_view",
+        "block_hashes", "_block_hasher", "_hash_block_size", "_next_hash_at", "__dict__",
+        "__weakref__",
+    )
+
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int] | None,
                  sampling_params: Any, pooling_params: Any, client_index: int = 0,
                  arrival_time: float | None = None, prompt_embeds: Any = None,
