@@ -46,10 +46,10 @@ def test_request_states_refuse_bad_tokens_or_params_without_taking_a_row():
     states = RequestStates(3, 32, CPU)
     a = states.add("a", [1, 2, 3], 0, GREEDY)
     before = (dict(states.index_of), list(states._free), list(states.req_ids), states.prefill_len.copy())
-    for tokens, params, error in [([1, 2 ** 40], GREEDY, (OverflowError, ValueError)), ([1, None], GREEDY, TypeError),
-                                  ([1, 2], object(), AttributeError)]:
+    for ids, params, error in [([1, 2 ** 40], GREEDY, (OverflowError, ValueError)), ([1, None], GREEDY, TypeError),
+                               ([1, 2], object(), AttributeError)]:
         with pytest.raises(error):
-            states.add("b", tokens, 0, params)
+            states.add("b", ids, 0, params)
         assert (dict(states.index_of), list(states._free), list(states.req_ids)) == before[:3]
         assert np.array_equal(states.prefill_len, before[3])
     assert states.add("b", [7, 8], 1, GREEDY) != a and states.token_ids[states.index_of["b"], :2].tolist() == [7, 8]
