@@ -129,10 +129,6 @@ class BlockTables:
         ``apply_staged_writes``. Every group is checked before any is staged: ids past a row's
         width, or overlapping a write staged since the last apply, raise ValueError.
         """
-        if (type(req_index) is int and 0 <= req_index < self.max_num_reqs and type(overwrite) is bool
-                and type(new_block_ids) is tuple and len(new_block_ids) == self.num_kv_cache_groups
-                and self._stage_plain(req_index, new_block_ids, overwrite)):
-            return
         req = self._check_req_index(req_index)
         if not isinstance(overwrite, (bool, np.bool_)):
             raise TypeError(f"overwrite must be a bool, got {overwrite!r}")
@@ -147,28 +143,6 @@ class BlockTables:
             if values:
                 self.block_tables[g]._stage(req, start, values)
             self.num_blocks.np[g, req] = start + len(values)
-
-    def _stage_plain(self, req: int, new_block_ids: tuple, overwrite: bool) -> bool:
-        """``append_block_ids`` for the model runner's usual write, whose every part passes
-        its checks at a glance: lists of plain ints within int32, that fit the row, in a row
-        with nothing staged since the last apply (so nothing to overlap), under the limit of
-        staged writes. Anything else returns False with nothing staged, and the full checks
-        then stage it or raise their error."""
-        counts = self.num_blocks.np
-        for g, ids in enumerate(new_block_ids):         # every group passes before any is staged
-            table = self.block_tables[g]
-            if not _plain_ids(ids):
-                return False
-            if ids and (req in table._staged_ranges or len(table._staged_write_indices) >= table.num_rows):
-                return False
-            if (0 if overwrite else int(counts[g, req])) + len(ids) > self.max_num_blocks_per_group[g]:
-                return False
-        for g, ids in enumerate(new_block_ids):
-            start = 0 if overwrite else int(counts[g, req])
-            if ids:
-                self.block_tables[g]._stage(req, start, ids)
-            counts[g, req] = start + len(ids)
-        return True
 
     def append_block_ids_batch(self, req_indices: Union[Sequence[int], np.ndarray],
                                new_block_ids: Sequence[Sequence[Sequence[int]]], overwrite: bool) -> None:
@@ -194,8 +168,11 @@ class BlockTables:
 
     def _stage_plain_batch(self, req_indices: Union[Sequence[int], np.ndarray], new_block_ids: Sequence,
                            overwrite: bool) -> bool:
-        """``_stage_plain`` over a batch: checked as a whole (per group, not per request), then
-        staged; False, with nothing staged, for any batch it cannot pass at a glance."""
+        """The batch checked as a whole (per group, not per request) for what passes
+        ``append_block_ids``' checks at a glance: lists of plain ints within int32, in distinct
+        rows with nothing staged since the last apply (so nothing to overlap), that fit their
+        rows, under the limit of staged writes; then staged. False, with nothing staged, for
+        any other batch."""
         n = len(new_block_ids)
         if type(overwrite) is not bool:
             return False
