@@ -131,6 +131,30 @@ def test_the_cores_and_async_scheduling_agree(model):
     assert any(len(t) < p.max_tokens for t, p in zip(runs["v0"], params))      # some stopped early
 
 
+def test_async_generate_launches_the_first_step_before_queuing_the_rest(model):
+    """With async scheduling, generate() launches its first step once the queue holds that step's
+    token budget, and queues the other prompts while it runs: the first step is as full as it would
+    be with every prompt queued, and the tokens are those of synchronous scheduling."""
+    ps = prompts(6, length=12, seed=28)                   # 12, 15, 18, ... tokens; a budget of 32
+    sync = tokens(engine(model, core="v1", async_scheduling=False, max_num_batched_tokens=32,
+                         max_num_seqs=4).generate(ps, GREEDY, use_tqdm=False))
+    llm = engine(model, core="v1", async_scheduling=True, max_num_batched_tokens=32, max_num_seqs=4)
+    eng, add = llm.engine, llm.engine._add_checked_request
+    steps_before_add = []
+
+    def spy(*args, **kwargs):
+        steps_before_add.append(len(eng._in_flight))
+        return add(*args, **kwargs)
+
+    eng._add_checked_request = spy
+    first = len(eng.step_stats)
+    assert tokens(llm.generate(ps, GREEDY, use_tqdm=False)) == sync
+    # 12 + 15 tokens fit in 32; the third prompt fills the budget: the step launched then.
+    assert steps_before_add == [0, 0, 0, 1, 1, 1]
+    assert eng.step_stats[first].num_tokens == 32
+    assert_idle(llm)
+
+
 def test_outputs_in_input_order_with_their_fields(model):
     ps = prompts(4, seed=2)
     lens = [3, 9, 1, 5]

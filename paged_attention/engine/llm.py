@@ -286,17 +286,32 @@ class LLM:
         if engine.has_unfinished_requests():
             raise RuntimeError("the engine still has requests from an interrupted call")
         ids = []
+        outputs: dict[str, RequestOutput] = {}
+        bar = _progress(len(encoded)) if use_tqdm else None
+
+        def take(finished: list[RequestOutput]) -> None:
+            for out in finished:
+                outputs[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+
+        # Under async scheduling the first step launches as soon as the queue holds enough to fill
+        # it (its token budget, or max_num_seqs requests), and the rest are queued (their blocks
+        # hashed) while the GPU runs it. vLLM's engine core, in a process of its own, likewise
+        # starts on the first requests to arrive. A prefix-cache hit can leave that first step
+        # room for prompts not yet queued: then it runs fewer tokens, and the outputs are the same.
+        launch_early, queued_tokens = engine.async_scheduling, 0
         try:
-            for (token_ids, text), p in zip(encoded, params):
+            for n, ((token_ids, text), p) in enumerate(zip(encoded, params), 1):
                 ids.append(str(next(self._request_counter)))
                 engine._add_checked_request(ids[-1], token_ids, p, prompt=text)     # generate() checked them
-            outputs: dict[str, RequestOutput] = {}
-            bar = _progress(len(ids)) if use_tqdm else None
+                queued_tokens += len(token_ids)
+                if launch_early and n < len(encoded) and (queued_tokens >= engine.max_num_batched_tokens
+                                                          or n >= engine.max_num_seqs):
+                    launch_early = False
+                    take(engine.step())
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    outputs[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+                take(engine.step())
             if bar is not None:
                 bar.close()
         except BaseException:

@@ -109,7 +109,7 @@ class LLMEngine:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.core_name, self.async_scheduling = core, bool(async_scheduling)
         self.kv_caches = allocate_kv_caches(model, num_gpu_blocks, block_size)
         self.runner = ModelRunner(model, self.kv_caches, block_size=block_size, max_num_reqs=max_num_seqs,
