@@ -90,7 +90,9 @@ class KVCacheBlocks:
         groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
         if allow_none and not any(groups):
             return None
-        return tuple([b.block_id for b in g] for g in groups)
+        # (Lists built in a comprehension, not a generator fed to tuple(): this runs for each
+        # request given a block, at a block boundary every running request.)
+        return tuple([[b.block_id for b in g] for g in groups])
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the one group's blocks that are not cached."""
@@ -375,7 +377,9 @@ class KVCacheManager:
         if needed + watermark > self.block_pool.free_block_queue.num_free_blocks:
             return None
         if needed:
-            blocks = self.create_kv_cache_blocks(coordinator.allocate_new_blocks(
+            # Some group grows by ``needed`` > 0 blocks, so create_kv_cache_blocks' "any
+            # blocks?" test holds: the answer is built directly.
+            blocks = KVCacheBlocks(coordinator.allocate_new_blocks(
                 request_id, num_tokens_need_slot, num_tokens_main_model))
         else:
             blocks = self.empty_kv_cache_blocks     # what the general path returns for none

@@ -162,9 +162,24 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.reachable_block_mask(num_cached, num_full, self.cache_hit_alignment_tokens,
-                                         self.kv_cache_spec, self.use_eagle, retention_interval,
-                                         replay_boundaries)
+        self._cache_new_full_blocks(request, num_cached, num_full, retention_interval,
+                                    replay_boundaries)
+
+    def _cache_new_full_blocks(self, request: Request, num_cached: int, num_full: int,
+                               retention_interval: int | None,
+                               replay_boundaries: Sequence[int]) -> None:
+        """``cache_blocks`` once it knows there is work: cache blocks ``num_cached`` to
+        ``num_full - 1`` of ``request`` (``num_cached < num_full``, the request's current
+        ``num_cached_block`` entry) and record them. The coordinator calls it directly where
+        it has counted the same two numbers already."""
+        # (The base rule, every block reachable, is known without the call: a block boundary
+        # caches one block per request and step.)
+        mask = (None if type(self).reachable_block_mask.__func__ is _BASE_REACHABLE_BLOCK_MASK
+                else self.reachable_block_mask(num_cached, num_full,
+                                               self.cache_hit_alignment_tokens,
+                                               self.kv_cache_spec, self.use_eagle,
+                                               retention_interval, replay_boundaries))
+        rid = request.request_id
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], num_cached, num_full,
                                           self.block_size, self.kv_cache_group_id, mask)
         self.num_cached_block[rid] = num_full
@@ -236,6 +251,9 @@ class SingleTypeKVCacheManager:
         ``kv_cache_group_ids``, a multiple of ``alignment_tokens``: (its blocks per group,
         its length in tokens)."""
         raise NotImplementedError
+
+
+_BASE_REACHABLE_BLOCK_MASK = SingleTypeKVCacheManager.reachable_block_mask.__func__
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
