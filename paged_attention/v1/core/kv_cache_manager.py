@@ -88,6 +88,13 @@ class KVCacheBlocks:
                       group_ids: Sequence[int] | None = None) -> tuple[list[int], ...] | None:
         """One list of block ids per group (None, with ``allow_none``, if all are empty)."""
         groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if len(groups) == 1:
+            # One group (most models): the same answer without any() and the outer loop, for
+            # each request given a block (at a block boundary, every running request).
+            group = groups[0]
+            if allow_none and not group:
+                return None
+            return ([b.block_id for b in group],)
         if allow_none and not any(groups):
             return None
         # (Lists built in a comprehension, not a generator fed to tuple(): this runs for each
