@@ -114,8 +114,12 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                             num_encoder_tokens: int = 0) -> tuple[list[KVCacheBlock], ...]:
+        managers = self.single_type_managers
+        if len(managers) == 1:      # (one group, most models: at a block boundary, per request)
+            return (managers[0].allocate_new_blocks(request_id, num_tokens,
+                                                    num_tokens_main_model),)
         new_blocks = []
-        for m in self.single_type_managers:
+        for m in managers:
             new_blocks.append(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model))
         return tuple(new_blocks)
 
