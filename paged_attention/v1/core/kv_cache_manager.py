@@ -168,6 +168,7 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self._running_fast_path: bool | None = None  # see _allocate_running_full_attention
+        self._hash_block_size = self.block_pool.hash_block_size     # (read there per request)
         # (group 0's key suffix, block size) where get_computed_blocks may answer a miss on
         # the first block itself: one plain full-attention group, caching on.
         managers = self.coordinator.single_type_managers
@@ -365,7 +366,7 @@ class KVCacheManager:
                                 else max_model_len)
         # Tokens whose block hashes exist: a group has blocks to cache only if it has cached
         # fewer than these (in a decode step, once per block_size steps).
-        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_hashed_tokens = len(request.block_hashes) * self._hash_block_size
         needed = 0
         blocks_to_cache = False
         for m in coordinator.single_type_managers:
@@ -381,7 +382,10 @@ class KVCacheManager:
                 blocks_to_cache = True
         watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
                      and request.status in _ADMITTING else 0)
-        if needed + watermark > self.block_pool.free_block_queue.num_free_blocks:
+        # (No block needed and no watermark fits any pool: the free count is read only when
+        # there is something to compare, not for each decode step inside its last block.)
+        if ((needed or watermark)
+                and needed + watermark > self.block_pool.free_block_queue.num_free_blocks):
             return None
         if needed:
             # Some group grows by ``needed`` > 0 blocks, so create_kv_cache_blocks' "any
