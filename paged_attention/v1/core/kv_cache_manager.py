@@ -73,7 +73,7 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
-@dataclass
+@dataclass(slots=True)     # one per request given blocks (at a block boundary, every one)
 class KVCacheBlocks:
     """Blocks per KV-cache group (``blocks[group][i]``), as the manager hands them out: the
     scheduler sees blocks, never the pool."""

@@ -195,17 +195,25 @@ class FreeKVCacheBlockQueue:
         """Take the first ``n`` blocks, front first."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot take {n} blocks: {self.num_free_blocks} are free")
-        taken = []
-        block = self.fake_free_list_head.next_free_block
-        for _ in range(n):
-            # Clearing a taken block's links as the walk leaves it: nothing reads them again.
-            taken.append(block)
+        head = self.fake_free_list_head
+        block = head.next_free_block
+        if n == 1:
+            # One block (a block boundary: one per request): the walk below without its loop.
+            taken = [block]
             following = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = following
+        else:
+            taken = []
+            for _ in range(n):
+                # Clearing a taken block's links as the walk leaves it: nothing reads them again.
+                taken.append(block)
+                following = block.next_free_block
+                block.prev_free_block = block.next_free_block = None
+                block = following
         # Relink the head to the first block left.
-        self.fake_free_list_head.next_free_block = block
-        block.prev_free_block = self.fake_free_list_head
+        head.next_free_block = block
+        block.prev_free_block = head
         self.num_free_blocks -= n
         return taken
 
