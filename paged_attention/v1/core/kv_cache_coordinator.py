@@ -139,10 +139,9 @@ class KVCacheCoordinator:
         return self._plain_cache_test
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        # Plain groups: the question a decode step inside its last block asks of every running
-        # request every step (twice under async scheduling), has any group a newly filled,
-        # hashed block to cache?, is answered here in one pass; usually not, and no group is
-        # called. A group that is behind caches from the counts found here.
+        # First, in one pass, the question a decode step inside its last block asks of every
+        # running request every step (twice under async scheduling): has any group a newly
+        # filled, hashed block to cache? Usually not, and the per-group calls are skipped.
         plain = self._plain_cache_test
         if plain or (plain is None and self._is_plain_cache_test()):
             rid = request.request_id
@@ -150,20 +149,22 @@ class KVCacheCoordinator:
             num_hashed = len(request.block_hashes) * self.block_pool.hash_block_size
             if num_hashed < num_tokens:
                 num_tokens = num_hashed
-            boundaries = None
             for m in self.single_type_managers:
-                if not m.enable_caching:
-                    continue
-                # The base class's cache_blocks from its "anything new?" test on: the counts
-                # are the same (a group caches only where its own count is behind).
-                num_cached = m.num_cached_block.get(rid, 0)
-                num_full = num_tokens // m.block_size
-                if num_cached < num_full:
-                    if boundaries is None:
-                        boundaries = replay_boundaries(request.num_prompt_tokens,
-                                                       self.scheduler_block_size, use_eagle=False)
-                    m._cache_new_full_blocks(request, num_cached, num_full,
-                                             self.retention_interval, boundaries)
+                if m.enable_caching and m.num_cached_block.get(rid, 0) < num_tokens // m.block_size:
+                    break
+            else:
+                return
+            # Some group is behind: each such group caches from these counts, as the base
+            # class's cache_blocks would after its own "anything new?" test (the same counts).
+            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
+                                           use_eagle=False)
+            for m in self.single_type_managers:
+                if m.enable_caching:
+                    num_cached = m.num_cached_block.get(rid, 0)
+                    num_full = num_tokens // m.block_size
+                    if num_cached < num_full:
+                        m._cache_new_full_blocks(request, num_cached, num_full,
+                                                 self.retention_interval, boundaries)
             return
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)
