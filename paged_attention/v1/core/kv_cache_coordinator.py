@@ -152,18 +152,6 @@ class KVCacheCoordinator:
                         m._cache_new_full_blocks(request, num_cached, num_full,
                                                  self.retention_interval, None)
             return
-            # Some group is behind: each such group caches from these counts, as the base
-            # class's cache_blocks would after its own "anything new?" test (the same counts).
-            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
-                                           use_eagle=False)
-            for m in self.single_type_managers:
-                if m.enable_caching:
-                    num_cached = m.num_cached_block.get(rid, 0)
-                    num_full = num_tokens // m.block_size
-                    if num_cached < num_full:
-                        m._cache_new_full_blocks(request, num_cached, num_full,
-                                                 self.retention_interval, boundaries)
-            return
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)
         for i, m in enumerate(self.single_type_managers):
