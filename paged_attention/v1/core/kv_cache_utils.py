@@ -18,12 +18,9 @@ import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType
+from typing import Any, NewType
 
-from paged_attention.v1.core.request import Request as _Request
-
-if TYPE_CHECKING:
-    from paged_attention.v1.core.request import Request
+from paged_attention.v1.core.request import Request
 
 # The hash of one block's prefix (bytes), and the same hash with the group id appended: the
 # key under which a block of one KV-cache group is cached.
@@ -347,7 +344,7 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         start = len(block_hashes) * hash_block_size
         # Our Request's own list, which its num_tokens and all_token_ids view read (at a block
         # boundary every running request comes here at once); any other request: those two.
-        own_ids = request._all_token_ids if type(request) is _Request else None
+        own_ids = request._all_token_ids if type(request) is Request else None
         num_tokens = len(own_ids) if own_ids is not None else request.num_tokens
         if start + hash_block_size > num_tokens:
             return []   # no block filled: the common case, once per decoded token
