@@ -137,6 +137,30 @@ def test_any_hash_function_chains_the_same_way():
     assert seen == [(ku.NONE_HASH, tuple(tokens[:4]), (("cache_salt", "s"),)),
                     (repr(seen[0]).encode(), tuple(tokens[4:]), None)]
     assert mine.block_hashes == [repr(t).encode() for t in seen]
+    # A block filled by one appended token at a time takes the hasher's one-block pass: the
+    # same triple, with either function.
+    for token in (9, 10, 11, 12):
+        plain.append_output_token_ids(token)
+        mine.append_output_token_ids(token)
+    assert seen[2] == (mine.block_hashes[1], (9, 10, 11, 12), None)
+    assert mine.block_hashes[2] == repr(seen[2]).encode()
+    assert plain.block_hashes[2] == _sha((plain.block_hashes[1], (9, 10, 11, 12), None))
+
+
+def test_the_hasher_reads_any_request_through_its_public_view():
+    # Not our Request (a stand-in with the attributes vLLM's has): the same hashes, read
+    # through num_tokens and all_token_ids.
+    hasher = get_request_block_hasher(4, ku.sha256)
+    tokens = list(range(50, 65))
+    ours = Request("a", tokens, PARAMS, None, block_hasher=hasher)
+    other = SimpleNamespace(block_hashes=[], num_tokens=len(tokens), all_token_ids=tuple(tokens),
+                            lora_request=None, cache_salt=None)
+    other.block_hashes.extend(hasher(other))
+    assert other.block_hashes == ours.block_hashes and len(ours.block_hashes) == 3
+    other.all_token_ids += (65,)
+    other.num_tokens += 1
+    ours.append_output_token_ids(65)
+    assert hasher(other) == ours.block_hashes[3:] and len(ours.block_hashes) == 4
 
 
 def test_extra_keys_separate_salts_and_adapters():

@@ -252,3 +252,40 @@ def test_skipping_the_prefix_cache_and_caching_off_never_hit():
     admit(off, "a", list(range(12)))
     _, hit = admit(off, "b", list(range(12)))
     assert hit == 0 and off.get_block_ids("b") == ([4, 5, 6],)
+
+
+def _fast_paths_off(side):
+    """``side`` with the manager's and coordinator's quick passes forced off: every call takes
+    the general path (each group's own cache_blocks, the general allocate_slots)."""
+    side.manager._running_fast_path = False
+    side.manager.coordinator._plain_cache_test = False
+    side.name = "general paths"
+    return side
+
+
+@pytest.mark.parametrize("groups", [[("full", 4)], [("window", 4, 6)]], ids=["full", "window"])
+def test_quick_passes_give_what_the_general_paths_give(groups):
+    # The running-request fast path of allocate_slots and the coordinator's one-pass caching
+    # (which caches a block boundary's blocks from the counts it found) against the general
+    # paths, on one random trace, compared after every operation (one group: a hybrid
+    # coordinator has its own rule for cacheable tokens and takes the general path).
+    from paged_attention.v1.core.differential import Mismatch, TraceConfig, our_side, replay
+
+    config = TraceConfig("quick vs general", groups, num_blocks=48)
+    fast = our_side(config)
+    assert fast.manager.coordinator._is_plain_cache_test()
+    assert replay(config, [fast, _fast_paths_off(our_side(config))], seed=3, num_ops=600) == 600
+
+    # A planted slip in the quick pass (it caches one block too few) is caught.
+    fast = our_side(config)
+    real = type(fast.manager.coordinator.single_type_managers[0])._cache_new_full_blocks
+
+    def one_short(self, request, num_cached, num_full, *rest):
+        if num_full - 1 > num_cached:
+            return real(self, request, num_cached, num_full - 1, *rest)
+        return real(self, request, num_cached, num_full, *rest)
+
+    for m in fast.manager.coordinator.single_type_managers:
+        m._cache_new_full_blocks = one_short.__get__(m)
+    with pytest.raises(Mismatch):
+        replay(config, [fast, _fast_paths_off(our_side(config))], seed=3, num_ops=600)

@@ -112,6 +112,8 @@ class BlockPool:
         # Keys a block is cached under besides its own block_hash (a full block that also
         # stands for a shorter, partial prefix; see cache_partial_block).
         self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
+        # Group id -> the bytes make_block_hash_with_group_id appends for it (made once).
+        self._group_key_suffixes: dict[int, bytes] = {}
         # Block 0 stands for "nothing here": out of the queue for good, its ref_cnt unused.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -174,16 +176,31 @@ class BlockPool:
         if block_mask is not None and len(block_mask) != num_full_blocks - num_cached_blocks:
             raise ValueError("block_mask must have one entry per newly full block")
         cached = self.cached_block_hash_to_block
+        cache = cached._cache
+        # The keys' group part (what make_block_hash_with_group_id appends), made at the first
+        # block that needs it: a bad group id fails where it did, and only then.
+        suffix = (self._group_key_suffixes.get(kv_cache_group_id)
+                  if type(kv_cache_group_id) is int else None)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             num_tokens = (i + 1) * block_size
-            key = make_block_hash_with_group_id(hashes[i], kv_cache_group_id)
+            if suffix is None:
+                suffix = make_block_hash_with_group_id(BlockHash(b""), kv_cache_group_id)
+                if type(kv_cache_group_id) is int:
+                    self._group_key_suffixes[kv_cache_group_id] = suffix
+            key = hashes[i] + suffix
             if block._block_hash is None:
-                # The usual case, a newly full block: _insert_block_hash's first branch.
-                block.set_block_hash(key, num_tokens)
-                cached.insert(key, block)
+                # The usual case, a newly full block: _insert_block_hash's first branch, with
+                # set_block_hash's and insert's first branches written out (no hash to refuse;
+                # a key seen for the first time) for a block boundary's one block per request.
+                block._block_hash = key
+                block._block_hash_num_tokens = num_tokens
+                if key in cache:
+                    cached.insert(key, block)
+                else:
+                    cache[key] = block
                 continue
             # A block cached for a shorter prefix, now full: its old keys go.
             self._remove_cached_block_hashes(block)

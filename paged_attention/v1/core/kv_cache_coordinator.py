@@ -23,21 +23,13 @@ from paged_attention.v1.core.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
+    replay_boundaries,
 )
 
 # The groups' cache_blocks whose "nothing new" test the coordinator may answer for them (the
 # full-attention one adds only a partial tail block, and only where hashes are finer).
 _BASE_CACHE_BLOCKS = SingleTypeKVCacheManager.cache_blocks
 _PLAIN_CACHE_BLOCKS = (_BASE_CACHE_BLOCKS, FullAttentionManager.cache_blocks)
-
-
-def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
-                      use_eagle: bool) -> tuple[int, ...]:
-    """Where a later request with the same prompt can resume: a resend hits at most the prompt
-    less its last token (recomputed for its logits)."""
-    if use_eagle:
-        raise ValueError("EAGLE is not modelled")
-    return (num_prompt_tokens - 1,)
 
 
 class KVCacheCoordinator:
@@ -114,8 +106,12 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                             num_encoder_tokens: int = 0) -> tuple[list[KVCacheBlock], ...]:
+        managers = self.single_type_managers
+        if len(managers) == 1:      # (one group, most models: at a block boundary, per request)
+            return (managers[0].allocate_new_blocks(request_id, num_tokens,
+                                                    num_tokens_main_model),)
         new_blocks = []
-        for m in self.single_type_managers:
+        for m in managers:
             new_blocks.append(m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model))
         return tuple(new_blocks)
 
@@ -135,9 +131,10 @@ class KVCacheCoordinator:
         return self._plain_cache_test
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        # First, in one pass, the question a decode step inside its last block asks of every
-        # running request every step (twice under async scheduling): has any group a newly
-        # filled, hashed block to cache? Usually not, and the per-group calls are skipped.
+        # Plain groups: the question a decode step inside its last block asks of every running
+        # request every step (twice under async scheduling), has any group a newly filled,
+        # hashed block to cache?, is answered here in one pass: usually not, and no group is
+        # called. A group that is behind caches from the counts found here.
         plain = self._plain_cache_test
         if plain or (plain is None and self._is_plain_cache_test()):
             rid = request.request_id
@@ -146,20 +143,14 @@ class KVCacheCoordinator:
             if num_hashed < num_tokens:
                 num_tokens = num_hashed
             for m in self.single_type_managers:
-                if m.enable_caching and m.num_cached_block.get(rid, 0) < num_tokens // m.block_size:
-                    break
-            else:
-                return
-            # Some group has blocks to cache. Each group's call is the base class's: a plain
-            # full-attention group adds only a partial tail block where the hashes are finer
-            # than its blocks, and here they are not.
-            boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
-                                           use_eagle=False)
-            num_cacheable = max(0, num_computed_tokens - self.num_reprefillable_tokens)
-            for m in self.single_type_managers:
                 if m.enable_caching:
-                    _BASE_CACHE_BLOCKS(m, request, num_cacheable, self.retention_interval,
-                                       replay_boundaries=boundaries)
+                    # The base class's cache_blocks from its "anything new?" test on: the same
+                    # counts (a group caches only where its own count is behind).
+                    num_cached = m.num_cached_block.get(rid, 0)
+                    num_full = num_tokens // m.block_size
+                    if num_cached < num_full:
+                        m._cache_new_full_blocks(request, num_cached, num_full,
+                                                 self.retention_interval, None)
             return
         boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
                                        use_eagle=False)

@@ -73,7 +73,7 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
-@dataclass
+@dataclass(slots=True)     # one per request given blocks (at a block boundary, every one)
 class KVCacheBlocks:
     """Blocks per KV-cache group (``blocks[group][i]``), as the manager hands them out: the
     scheduler sees blocks, never the pool."""
@@ -88,9 +88,18 @@ class KVCacheBlocks:
                       group_ids: Sequence[int] | None = None) -> tuple[list[int], ...] | None:
         """One list of block ids per group (None, with ``allow_none``, if all are empty)."""
         groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if len(groups) == 1:
+            # One group (most models): the same answer without any() and the outer loop, for
+            # each request given a block (at a block boundary, every running request).
+            group = groups[0]
+            if allow_none and not group:
+                return None
+            return ([b.block_id for b in group],)
         if allow_none and not any(groups):
             return None
-        return tuple([b.block_id for b in g] for g in groups)
+        # (Lists built in a comprehension, not a generator fed to tuple(): this runs for each
+        # request given a block, at a block boundary every running request.)
+        return tuple([[b.block_id for b in g] for g in groups])
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the one group's blocks that are not cached."""
@@ -159,6 +168,7 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self._running_fast_path: bool | None = None  # see _allocate_running_full_attention
+        self._hash_block_size = self.block_pool.hash_block_size     # (read there per request)
         # (group 0's key suffix, block size) where get_computed_blocks may answer a miss on
         # the first block itself: one plain full-attention group, caching on.
         managers = self.coordinator.single_type_managers
@@ -356,7 +366,7 @@ class KVCacheManager:
                                 else max_model_len)
         # Tokens whose block hashes exist: a group has blocks to cache only if it has cached
         # fewer than these (in a decode step, once per block_size steps).
-        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_hashed_tokens = len(request.block_hashes) * self._hash_block_size
         needed = 0
         blocks_to_cache = False
         for m in coordinator.single_type_managers:
@@ -372,10 +382,15 @@ class KVCacheManager:
                 blocks_to_cache = True
         watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
                      and request.status in _ADMITTING else 0)
-        if needed + watermark > self.block_pool.free_block_queue.num_free_blocks:
+        # (No block needed and no watermark fits any pool: the free count is read only when
+        # there is something to compare, not for each decode step inside its last block.)
+        if ((needed or watermark)
+                and needed + watermark > self.block_pool.free_block_queue.num_free_blocks):
             return None
         if needed:
-            blocks = self.create_kv_cache_blocks(coordinator.allocate_new_blocks(
+            # Some group grows by ``needed`` > 0 blocks, so create_kv_cache_blocks' "any
+            # blocks?" test holds: the answer is built directly.
+            blocks = KVCacheBlocks(coordinator.allocate_new_blocks(
                 request_id, num_tokens_need_slot, num_tokens_main_model))
         else:
             blocks = self.empty_kv_cache_blocks     # what the general path returns for none

@@ -18,10 +18,9 @@ import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType
+from typing import Any, NewType
 
-if TYPE_CHECKING:
-    from paged_attention.v1.core.request import Request
+from paged_attention.v1.core.request import Request
 
 # The hash of one block's prefix (bytes), and the same hash with the group id appended: the
 # key under which a block of one KV-cache group is cached.
@@ -195,17 +194,25 @@ class FreeKVCacheBlockQueue:
         """Take the first ``n`` blocks, front first."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot take {n} blocks: {self.num_free_blocks} are free")
-        taken = []
-        block = self.fake_free_list_head.next_free_block
-        for _ in range(n):
-            # Clearing a taken block's links as the walk leaves it: nothing reads them again.
-            taken.append(block)
+        head = self.fake_free_list_head
+        block = head.next_free_block
+        if n == 1:
+            # One block (a block boundary: one per request): the walk below without its loop.
+            taken = [block]
             following = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = following
+        else:
+            taken = []
+            for _ in range(n):
+                # Clearing a taken block's links as the walk leaves it: nothing reads them again.
+                taken.append(block)
+                following = block.next_free_block
+                block.prev_free_block = block.next_free_block = None
+                block = following
         # Relink the head to the first block left.
-        self.fake_free_list_head.next_free_block = block
-        block.prev_free_block = self.fake_free_list_head
+        head.next_free_block = block
+        block.prev_free_block = head
         self.num_free_blocks -= n
         return taken
 
@@ -330,17 +337,21 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         raise ValueError("num_hash_lookahead_tokens (speculative decoding) is not modelled")
 
     pickled_sha256, new_sha256, dumps = caching_hash_fn is sha256, hashlib.sha256, pickle.dumps
+    protocol = pickle.HIGHEST_PROTOCOL
 
     def request_block_hasher(request: Request) -> list[BlockHash]:
         block_hashes = request.block_hashes
         start = len(block_hashes) * hash_block_size
-        num_tokens = request.num_tokens
+        # Our Request's own list, which its num_tokens and all_token_ids view read (at a block
+        # boundary every running request comes here at once); any other request: those two.
+        own_ids = request._all_token_ids if type(request) is Request else None
+        num_tokens = len(own_ids) if own_ids is not None else request.num_tokens
         if start + hash_block_size > num_tokens:
             return []   # no block filled: the common case, once per decoded token
-        # The new full blocks' tokens, read once (one slice of the request's view), as a tuple:
-        # each block's slice of it is then the tuple hash_block_tokens would make.
+        # The new full blocks' tokens, read once (one slice of the request's list or view), as
+        # a tuple: each block's slice of it is then the tuple hash_block_tokens would make.
         end = num_tokens - (num_tokens - start) % hash_block_size
-        tokens = tuple(request.all_token_ids[start:end])
+        tokens = tuple((own_ids if own_ids is not None else request.all_token_ids)[start:end])
         # A block's extra keys depend only on whether it is the request's first (the cache salt
         # goes there): looked up once per call, not once per block.
         later_keys, _ = generate_block_hash_extra_keys(request, hash_block_size,
@@ -349,6 +360,14 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         # call is pure overhead): the same triple, hashed the same way, an empty parent read as
         # NONE_HASH as it is at the time of the call (init_none_hash may change it).
         parent = block_hashes[-1] if block_hashes else None
+        if end - start == hash_block_size:
+            # One new block (a decode step that fills one: at a block boundary, every running
+            # request at once): the loop's one turn, without the loop.
+            keys = (later_keys if start else
+                    generate_block_hash_extra_keys(request, 0, hash_block_size)[0])
+            triple = (parent or NONE_HASH, tokens, keys)
+            return [new_sha256(dumps(triple, protocol)).digest() if pickled_sha256
+                    else caching_hash_fn(triple)]
         new_hashes: list[BlockHash] = []
         for i in range(0, end - start, hash_block_size):
             keys = (later_keys if start + i else
@@ -356,7 +375,7 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
             triple = (parent or NONE_HASH, tokens[i:i + hash_block_size], keys)
             # sha256 (vLLM's default) written out as well: the same two C calls, one Python
             # call fewer per block.
-            parent = (new_sha256(dumps(triple, pickle.HIGHEST_PROTOCOL)).digest() if pickled_sha256
+            parent = (new_sha256(dumps(triple, protocol)).digest() if pickled_sha256
                       else caching_hash_fn(triple))
             new_hashes.append(parent)
         return new_hashes

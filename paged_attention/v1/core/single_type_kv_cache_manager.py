@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from paged_attention.v1.core.request import Request
 
 
+def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int,
+                      use_eagle: bool) -> tuple[int, ...]:
+    """Where a later request with the same prompt can resume: a resend hits at most the prompt
+    less its last token (recomputed for its logits)."""
+    if use_eagle:
+        raise ValueError("EAGLE is not modelled")
+    return (num_prompt_tokens - 1,)
+
+
 class SingleTypeKVCacheManager:
     """The per-request block lists of one KV-cache group (the base of both types).
 
@@ -162,9 +171,28 @@ class SingleTypeKVCacheManager:
         num_full = min(num_tokens, num_hashed_tokens) // self.block_size
         if num_cached >= num_full:
             return
-        mask = self.reachable_block_mask(num_cached, num_full, self.cache_hit_alignment_tokens,
-                                         self.kv_cache_spec, self.use_eagle, retention_interval,
-                                         replay_boundaries)
+        self._cache_new_full_blocks(request, num_cached, num_full, retention_interval,
+                                    replay_boundaries)
+
+    def _cache_new_full_blocks(self, request: Request, num_cached: int, num_full: int,
+                               retention_interval: int | None,
+                               boundaries: Sequence[int] | None) -> None:
+        """``cache_blocks`` once it knows there is work: cache blocks ``num_cached`` to
+        ``num_full - 1`` of ``request`` (``num_cached < num_full``, the request's current
+        ``num_cached_block`` entry) and record them. The coordinator calls it directly where
+        it has counted the same two numbers already, with ``boundaries`` None: the request's
+        replay boundaries, worked out here only if the block mask reads them."""
+        if type(self).reachable_block_mask.__func__ is _BASE_REACHABLE_BLOCK_MASK:
+            mask = None     # the base rule, every block reachable, known without the call
+        else:
+            if boundaries is None:
+                boundaries = replay_boundaries(request.num_prompt_tokens,
+                                               self.scheduler_block_size, use_eagle=False)
+            mask = self.reachable_block_mask(num_cached, num_full,
+                                             self.cache_hit_alignment_tokens,
+                                             self.kv_cache_spec, self.use_eagle,
+                                             retention_interval, boundaries)
+        rid = request.request_id
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], num_cached, num_full,
                                           self.block_size, self.kv_cache_group_id, mask)
         self.num_cached_block[rid] = num_full
@@ -236,6 +264,9 @@ class SingleTypeKVCacheManager:
         ``kv_cache_group_ids``, a multiple of ``alignment_tokens``: (its blocks per group,
         its length in tokens)."""
         raise NotImplementedError
+
+
+_BASE_REACHABLE_BLOCK_MASK = SingleTypeKVCacheManager.reachable_block_mask.__func__
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):

@@ -552,7 +552,12 @@ class Scheduler:
 
         # This loop runs once per request and step: attributes are read once into locals.
         get_request, max_model_len = self.requests.get, self.max_model_len
-        cache_blocks, hash_block_size = self.kv_cache_manager.cache_blocks, self.hash_block_size
+        manager = self.kv_cache_manager
+        cache_blocks, hash_block_size = manager.cache_blocks, self.hash_block_size
+        if type(manager).cache_blocks is KVCacheManager.cache_blocks and manager.enable_caching:
+            # What that method does with caching on: ask the coordinator (one call less for
+            # each request at a block boundary).
+            cache_blocks = manager.coordinator.cache_blocks
         last_client, add_output = object(), None     # no client yet: nothing equals it
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = get_request(req_id)
