@@ -358,10 +358,12 @@ class ModelRunner:
             for req_id in reversed(req_ids):    # the free rows go back in the order they were taken
                 states.remove(req_id)
             raise
+        # Only a request that samples can have a generator (a greedy one's is None, which
+        # ``_generators.get`` gives too): the greedy flags just written pick them out at once.
         generators = self._generators
-        for req_id, p in zip(req_ids, params):
-            if req_id not in generators:        # (a resumed request keeps its generator)
-                generators[req_id] = self._generator(p)
+        for i in np.flatnonzero(~states.greedy[rows]).tolist():
+            if req_ids[i] not in generators:    # (a resumed request keeps its generator)
+                generators[req_ids[i]] = self._generator(params[i])
 
     def batch_index(self, req_ids: list[str]) -> tuple[list[str], dict[str, int]]:
         """``req_ids`` and each one's position in it. The same requests as the last batch's, in
