@@ -3,8 +3,9 @@
 vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred lines. A step:
 
 1. **Update states.** Finished and preempted requests give their request-state row back; new
-   ones take a row and bring their tokens, computed count, sampling parameters and block ids;
-   running ones bring only the blocks they gained (``engine/tables.py`` keeps the rows).
+   ones take a row and bring their tokens, computed count, sampling parameters and block ids
+   (all of a step's new requests as one batch: a first step brings hundreds); running ones
+   bring only the blocks they gained (``engine/tables.py`` keeps the rows).
 2. **Prepare.** The host works out, in numpy, the batch's request-state rows (``idx_mapping``),
    ``query_start_loc``, every token's position and sequence length, and the token ids it knows
    (prompt tokens; ``-1`` for a token sampled in an earlier step), packs them into one pinned
