@@ -45,6 +45,12 @@ from paged_attention.v1.core.sched.messages import ModelRunnerOutput
 from paged_attention.v1.core.sched.output import SchedulerOutput
 
 
+_NEW_FIELDS = operator.attrgetter("req_id", "prefill_token_ids", "prompt_token_ids", "num_computed_tokens",
+                                  "sampling_params", "block_ids")
+_FIRST_GROUP = operator.itemgetter(0)       # the block ids of the one KV-cache group
+_GREEDY = operator.attrgetter("greedy")
+
+
 class RequestStates:
     """One row per running request, kept across steps (vLLM's ``RequestState``).
 
@@ -129,7 +135,7 @@ class RequestStates:
         rows = self._free[:-n - 1:-1] if n else []
         for row, ids in zip(rows, token_ids):
             self.token_ids[row, :len(ids)] = ids
-        greedy = [p.greedy for p in params]
+        greedy = list(map(_GREEDY, params))
         del self._free[len(self._free) - n:]
         self._rows_key = self._greedy_rows = None      # a request's row may have changed
         self.index_of.update(zip(req_ids, rows))
@@ -348,23 +354,26 @@ class ModelRunner:
         """The step's new requests: their states, then their rows of the tables, each as one
         batch; a bad request (tokens, ids, blocks) raises with none of them added."""
         states = self.states
-        req_ids = [new.req_id for new in new_reqs]
-        params = [new.sampling_params for new in new_reqs]
-        rows = states.add_many(req_ids, [new.prefill_token_ids if new.prefill_token_ids is not None
-                                         else new.prompt_token_ids for new in new_reqs],
-                               [new.num_computed_tokens for new in new_reqs], params)
+        # The fields as columns, read in C (a step of one new request is common: its fixed
+        # cost counts as much as a first step's per-request cost).
+        req_ids, prefill, prompts, computed, params, block_ids = map(list, zip(*map(_NEW_FIELDS, new_reqs)))
+        tokens = prompts if prefill.count(None) == len(prefill) else [
+            ids if ids is not None else prompt for ids, prompt in zip(prefill, prompts)]
+        rows = states.add_many(req_ids, tokens, computed, params)
         try:
-            self.tables.set_rows(rows, [new.block_ids[0] for new in new_reqs], overwrite=True)
+            self.tables.set_rows(rows, list(map(_FIRST_GROUP, block_ids)), overwrite=True)
         except BaseException:
             for req_id in reversed(req_ids):    # the free rows go back in the order they were taken
                 states.remove(req_id)
             raise
         # Only a request that samples can have a generator (a greedy one's is None, which
         # ``_generators.get`` gives too): the greedy flags just written pick them out at once.
-        generators = self._generators
-        for i in np.flatnonzero(~states.greedy[rows]).tolist():
-            if req_ids[i] not in generators:    # (a resumed request keeps its generator)
-                generators[req_ids[i]] = self._generator(params[i])
+        greedy = states.greedy[rows]
+        if not greedy.all():
+            generators = self._generators
+            for i in np.flatnonzero(~greedy).tolist():
+                if req_ids[i] not in generators:    # (a resumed request keeps its generator)
+                    generators[req_ids[i]] = self._generator(params[i])
 
     def batch_index(self, req_ids: list[str]) -> tuple[list[str], dict[str, int]]:
         """``req_ids`` and each one's position in it. The same requests as the last batch's, in

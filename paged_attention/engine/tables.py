@@ -52,7 +52,7 @@ class V2StepTables:
         through ``append_block_ids`` (the batch's own rule for it, without the batch's fixed cost
         of some 20 us: a decode step that admits one request)."""
         if len(block_ids) == 1:
-            self.set_row(rows[0], block_ids[0], overwrite)
+            self.set_row(int(rows[0]), block_ids[0], overwrite)
         else:
             self.tables.append_block_ids_batch(rows, [(ids,) for ids in block_ids], overwrite=overwrite)
 
