@@ -407,3 +407,94 @@ def test_a_block_boundary_step_appends_what_one_row_at_a_time_appends(block_tabl
     assert str(got.value) == str(want.value)
     if block_tables != "v1":                # v1's rows are written one at a time
         assert counts(batched) == before
+
+
+def _state_snapshot(states: RequestStates) -> tuple:
+    """What the request states hold: the free rows in order, and each request's row and values
+    (a free row's leftover values are never read)."""
+    held = {rid: (row, states.req_ids[row], states.params[row], int(states.prefill_len[row]),
+                  int(states.num_computed[row]), bool(states.greedy[row]),
+                  states.token_ids[row, :states.prefill_len[row]].tolist())
+            for rid, row in states.index_of.items()}
+    return list(states._free), held, [r for r in states.req_ids if r is not None]
+
+
+def test_add_many_takes_the_rows_one_by_one_adds_take_or_none():
+    """A batch of requests gets the rows, tokens, counts and sampling that adding them one by one
+    gives; a bad request anywhere in the batch (ids, lengths, tokens, params, too many) raises
+    with no request of the batch added."""
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    batch = [("a", [1, 2, 3], 0, GREEDY), ("b", [4, 5], 1, sampled), ("c", list(range(9)), 4, GREEDY)]
+    one, many = RequestStates(5, 16, CPU), RequestStates(5, 16, CPU)
+    for states in (one, many):
+        states.add("x", [9], 0, GREEDY)
+        states.remove("x")                               # a freed row: the free list's order matters
+    rows = [one.add(*args) for args in batch]
+    got = many.add_many(*map(list, zip(*batch)))
+    assert got.tolist() == rows
+    assert _state_snapshot(many) == _state_snapshot(one) and many.req_ids == one.req_ids
+    assert many.add_many([], [], [], []).tolist() == []
+
+    before = _state_snapshot(many)
+    for bad, error in [
+            ([("d", [1], 0, GREEDY), ("a", [1], 0, GREEDY)], ValueError),           # holds a row already
+            ([("d", [1], 0, GREEDY), ("d", [2], 0, GREEDY)], ValueError),           # twice in the batch
+            ([("d", [1], 0, GREEDY), ("e", [1] * 17, 0, GREEDY)], ValueError),      # past max_model_len
+            ([("d", [1], 0, GREEDY), ("e", [1, 2], 2, GREEDY)], ValueError),        # nothing left to compute
+            ([("d", [1], 0, GREEDY), ("e", [1, 2 ** 40], 0, GREEDY)], (OverflowError, ValueError)),
+            ([("d", [1], 0, GREEDY), ("e", [1, None], 0, GREEDY)], TypeError),
+            ([("d", [1], 0, GREEDY), ("e", [1], 0, object())], AttributeError),
+            ([(r, [1], 0, GREEDY) for r in "defg"], ValueError)]:                   # 3 rows free
+        with pytest.raises(error):
+            many.add_many(*map(list, zip(*bad)))
+        assert _state_snapshot(many) == before
+    with pytest.raises(ValueError, match="token lists"):
+        many.add_many(["d", "e"], [[1]], [0, 0], [GREEDY, GREEDY])
+    assert _state_snapshot(many) == before
+
+
+@pytest.mark.parametrize("block_tables", ["v2", "v1"])
+def test_a_steps_new_requests_are_added_all_or_none(block_tables):
+    """The runner adds a step's new requests as one batch: the same rows and table rows as one at
+    a time, and when one of them cannot be added (here: more blocks than its table row holds)
+    the error is the one-at-a-time error and no request of the step holds a row."""
+    import types
+    from paged_attention.engine.model_runner import ModelRunner
+    from paged_attention.engine.tables import make_step_tables
+
+    def runner():
+        tables = make_step_tables(block_tables, 4, 8, 64, 16, CPU)    # rows of 4 blocks
+        return types.SimpleNamespace(states=RequestStates(8, 16, CPU), tables=tables, _generators={},
+                                     num_preemptions=0, _generator=lambda params: None,
+                                     _add_requests=lambda new: ModelRunner._add_requests(r, new))
+
+    def counts(r):
+        t = r.tables
+        return (t.tables.num_blocks.np[0].tolist() if block_tables != "v1" else t.table.num_blocks_per_row.tolist())
+
+    def step(new):
+        return SchedulerOutput(new, CachedRequestData.make_empty(), {n.req_id: 1 for n in new}, len(new), set())
+
+    r = runner()
+    ModelRunner.update_states(r, step([_new("a", [1, 2, 3], [7]), _new("b", [4] * 9, [3, 4, 5])]))
+    single = make_step_tables(block_tables, 4, 8, 64, 16, CPU)
+    for rid, ids in (("a", [7]), ("b", [3, 4, 5])):
+        single.set_row(r.states.index_of[rid], ids, overwrite=True)
+    assert r.states.index_of == {"a": 0, "b": 1} and counts(r)[:3] == [1, 3, 0]
+    if block_tables != "v1":
+        assert (r.tables.tables.block_tables[0].staged_writes() == single.tables.block_tables[0].staged_writes()
+                == [(0, 0, (7,)), (1, 0, (3, 4, 5))])
+        r.tables.tables.apply_staged_writes()
+    before, before_counts = _state_snapshot(r.states), counts(r)
+    bad = [_new("c", [1], [8]), _new("d", [1] * 16, [9, 10, 11, 12, 13])]
+    with pytest.raises(ValueError) as got:
+        ModelRunner.update_states(r, step(bad))
+    with pytest.raises(ValueError) as want:
+        single.set_row(3, [9, 10, 11, 12, 13], overwrite=True)
+    assert str(got.value).replace("request state 3", "request state 2") == str(want.value).replace(
+        "request state 3", "request state 2")
+    assert _state_snapshot(r.states) == before
+    if block_tables != "v1":                # v1's rows are written one at a time (no request holds them)
+        assert counts(r) == before_counts and r.tables.tables.block_tables[0].num_staged_writes == 0
+    ModelRunner.update_states(r, step(bad[:1]))     # then the good one alone takes the next row
+    assert r.states.index_of["c"] == 2

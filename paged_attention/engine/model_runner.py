@@ -3,8 +3,9 @@
 vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred lines. A step:
 
 1. **Update states.** Finished and preempted requests give their request-state row back; new
-   ones take a row and bring their tokens, computed count, sampling parameters and block ids;
-   running ones bring only the blocks they gained (``engine/tables.py`` keeps the rows).
+   ones take a row and bring their tokens, computed count, sampling parameters and block ids
+   (all of a step's new requests as one batch: a first step brings hundreds); running ones
+   bring only the blocks they gained (``engine/tables.py`` keeps the rows).
 2. **Prepare.** The host works out, in numpy, the batch's request-state rows (``idx_mapping``),
    ``query_start_loc``, every token's position and sequence length, and the token ids it knows
    (prompt tokens; ``-1`` for a token sampled in an earlier step), packs them into one pinned
@@ -42,6 +43,12 @@ from paged_attention.model import ForwardBatch, LlamaForCausalLM
 from paged_attention.utils import PAD_SLOT_ID, next_power_of_2
 from paged_attention.v1.core.sched.messages import ModelRunnerOutput
 from paged_attention.v1.core.sched.output import SchedulerOutput
+
+
+_NEW_FIELDS = operator.attrgetter("req_id", "prefill_token_ids", "prompt_token_ids", "num_computed_tokens",
+                                  "sampling_params", "block_ids")
+_FIRST_GROUP = operator.itemgetter(0)       # the block ids of the one KV-cache group
+_GREEDY = operator.attrgetter("greedy")
 
 
 class RequestStates:
@@ -92,28 +99,53 @@ class RequestStates:
         return self._all_greedy
 
     def add(self, req_id: str, token_ids: list[int], num_computed: int, params) -> int:
-        if req_id in self.index_of:
-            raise ValueError(f"request {req_id!r} already holds request state {self.index_of[req_id]}")
-        if not self._free:
-            raise ValueError(f"all {self.max_num_reqs} request states are taken (max_num_seqs)")
-        if not 0 < len(token_ids) <= self.max_model_len or not 0 <= num_computed < len(token_ids):
-            raise ValueError(f"request {req_id!r}: {len(token_ids)} tokens ({num_computed} computed) do not fit "
-                             f"a request state of max_model_len={self.max_model_len}")
-        # The tokens go into the row while it is still free, and the params are read, before
+        """Give ``req_id`` a row holding ``token_ids``; its row (``add_many`` of one request)."""
+        return int(self.add_many([req_id], [token_ids], [num_computed], [params])[0])
+
+    def add_many(self, req_ids: list[str], token_ids: list[list[int]], num_computed: list[int],
+                 params: list) -> np.ndarray:
+        """Give each of ``req_ids`` a row, in order (the rows ``add`` would give one by one); the
+        rows. All or none: a bad request raises (ValueError, TypeError...) with every request's
+        state as it was. A step's new requests come this way at once (a first step brings
+        hundreds): their counts, sampling and ids are written with one operation each."""
+        n = len(req_ids)
+        if not len(token_ids) == len(num_computed) == len(params) == n:
+            raise ValueError(f"{n} request ids but {len(token_ids)} token lists, {len(num_computed)} computed "
+                             f"counts and {len(params)} sampling params")
+        if len(set(req_ids)) != n or not self.index_of.keys().isdisjoint(req_ids):
+            seen = set()
+            for req_id in req_ids:
+                if req_id in self.index_of:
+                    raise ValueError(f"request {req_id!r} already holds request state {self.index_of[req_id]}")
+                if req_id in seen:
+                    raise ValueError(f"request {req_id!r} is added twice in one batch")
+                seen.add(req_id)
+        if n > len(self._free):
+            raise ValueError(f"all {self.max_num_reqs} request states are taken (max_num_seqs): "
+                             f"{n} requests asked for {len(self._free)} free ones")
+        lens = list(map(len, token_ids))
+        for req_id, length, computed in zip(req_ids, lens, num_computed):
+            if not 0 < length <= self.max_model_len or not 0 <= computed < length:
+                raise ValueError(f"request {req_id!r}: {length} tokens ({computed} computed) do not fit "
+                                 f"a request state of max_model_len={self.max_model_len}")
+        # The rows the requests will take (the free list's last n, in the order pop gives them).
+        # Their tokens go in while the rows are still free, and the params are read, before
         # anything is taken: a token int32 cannot hold (or params without ``greedy``) fails
         # here with every request's state as it was (a free row's tokens are never read).
-        row = self._free[-1]
-        self.token_ids[row, :len(token_ids)] = token_ids
-        greedy = params.greedy
-        self._free.pop()
+        rows = self._free[:-n - 1:-1] if n else []
+        for row, ids in zip(rows, token_ids):
+            self.token_ids[row, :len(ids)] = ids
+        greedy = list(map(_GREEDY, params))
+        del self._free[len(self._free) - n:]
         self._rows_key = self._greedy_rows = None      # a request's row may have changed
-        self.index_of[req_id] = row
-        self.req_ids[row] = req_id
-        self.prefill_len[row] = len(token_ids)
-        self.num_computed[row] = num_computed
-        self.params[row] = params
-        self.greedy[row] = greedy
-        return row
+        self.index_of.update(zip(req_ids, rows))
+        for row, req_id, p in zip(rows, req_ids, params):
+            self.req_ids[row], self.params[row] = req_id, p
+        rows_np = np.array(rows, dtype=np.int64)
+        self.prefill_len[rows_np] = lens
+        self.num_computed[rows_np] = num_computed
+        self.greedy[rows_np] = greedy
+        return rows_np
 
     def remove(self, req_id: str) -> Optional[int]:
         row = self.index_of.pop(req_id, None)
@@ -290,12 +322,8 @@ class ModelRunner:
             self._generators.pop(req_id, None)
         for req_id in so.preempted_req_ids:
             self.num_preemptions += states.remove(req_id) is not None
-        for new in so.scheduled_new_reqs:
-            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
-            row = states.add(new.req_id, tokens, new.num_computed_tokens, new.sampling_params)
-            self.tables.set_row(row, new.block_ids[0], overwrite=True)
-            if new.req_id not in self._generators:
-                self._generators[new.req_id] = self._generator(new.sampling_params)
+        if so.scheduled_new_reqs:
+            self._add_requests(so.scheduled_new_reqs)
         cached = so.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -320,7 +348,32 @@ class ModelRunner:
         # gains a block, and one call per request would cost the host that many checks).
         picked = [i for i in gained if new_block_ids[i][0]]
         if picked:
-            self.tables.append_rows(rows[picked], [new_block_ids[i][0] for i in picked])
+            self.tables.set_rows(rows[picked], [new_block_ids[i][0] for i in picked], overwrite=False)
+
+    def _add_requests(self, new_reqs: list) -> None:
+        """The step's new requests: their states, then their rows of the tables, each as one
+        batch; a bad request (tokens, ids, blocks) raises with none of them added."""
+        states = self.states
+        # The fields as columns, read in C (a step of one new request is common: its fixed
+        # cost counts as much as a first step's per-request cost).
+        req_ids, prefill, prompts, computed, params, block_ids = map(list, zip(*map(_NEW_FIELDS, new_reqs)))
+        tokens = prompts if prefill.count(None) == len(prefill) else [
+            ids if ids is not None else prompt for ids, prompt in zip(prefill, prompts)]
+        rows = states.add_many(req_ids, tokens, computed, params)
+        try:
+            self.tables.set_rows(rows, list(map(_FIRST_GROUP, block_ids)), overwrite=True)
+        except BaseException:
+            for req_id in reversed(req_ids):    # the free rows go back in the order they were taken
+                states.remove(req_id)
+            raise
+        # Only a request that samples can have a generator (a greedy one's is None, which
+        # ``_generators.get`` gives too): the greedy flags just written pick them out at once.
+        greedy = states.greedy[rows]
+        if not greedy.all():
+            generators = self._generators
+            for i in np.flatnonzero(~greedy).tolist():
+                if req_ids[i] not in generators:    # (a resumed request keeps its generator)
+                    generators[req_ids[i]] = self._generator(params[i])
 
     def batch_index(self, req_ids: list[str]) -> tuple[list[str], dict[str, int]]:
         """``req_ids`` and each one's position in it. The same requests as the last batch's, in
@@ -366,13 +419,20 @@ class ModelRunner:
             # token t of request b sits at start[b] + (t - qsl[b])
             positions = np.arange(num_tokens, dtype=np.int32) + np.repeat(start - qsl[:-1], counts)
         # Tokens the host knows (those the request was added with); -1: its last sampled token.
-        known = positions < states.prefill_len[rows]
+        # (Each request's count repeated over its tokens: cheaper than indexing by every token's row.)
+        prefill_len = states.prefill_len[idx]
+        known = positions < (prefill_len if decode_only else np.repeat(prefill_len, counts))
         if known.any():
-            ids = np.where(known, states.token_ids[rows, np.minimum(positions, self.max_model_len - 1)], -1)
+            # One gather from the flattened table (half the cost of indexing it by row and column).
+            at = rows.astype(np.intp) * self.max_model_len
+            at += np.minimum(positions, self.max_model_len - 1)
+            ids = states.token_ids.reshape(-1)[at]
+            if not known.all():
+                ids = np.where(known, ids, -1)
         else:
             ids = None
         # A request samples once this step reaches the end of the tokens it was added with.
-        samples = None if decode_only else seq_lens >= states.prefill_len[idx]
+        samples = None if decode_only else seq_lens >= prefill_len
         if samples is not None and samples.all():
             samples = None
         # The bound the kernels size their work by, rounded up on a GPU (a decode kernel's launch is
