@@ -19,7 +19,7 @@ from paged_attention.v1.core.kv_cache_coordinator import (
     UnitaryKVCacheCoordinator,
     default_block_sizes,
 )
-from paged_attention.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from paged_attention.v1.core.kv_cache_manager import _NOT_TAKEN, KVCacheBlocks, KVCacheManager
 from paged_attention.v1.core.request import Request, RequestStatus
 
 PARAMS = SimpleNamespace(max_tokens=4)
@@ -114,6 +114,58 @@ def test_no_room_returns_none_and_changes_nothing():
     assert snapshot(m, ["a", "b"]) == dict(before, **{"block ids": {"a": [[1, 2, 3]],
                                                                     "b": [[]]}})
     assert m.allocate_slots(r, 4, hit, blocks) is not None     # one chunk fits
+
+
+def _admissions_on_misses(quick, forget_whole_request=False):
+    """Requests admitted on prefix misses, as the scheduler admits them (a watermark of one
+    block): each allocate_slots answer, the state after, and whether the quick pass answered."""
+    m = manager(12, full(), watermark=0.1)
+    if not quick:
+        m._running_fast_path = False
+        m.coordinator._plain_cache_test = False
+    real, taken = m._allocate_running_full_attention, []
+
+    def spy(request, n, delay, scheduled, whole=False):
+        answer = real(request, n, delay, scheduled, False if forget_whole_request else whole)
+        taken.append(answer is not _NOT_TAKEN)
+        return answer
+
+    m._allocate_running_full_attention = spy
+    admit(m, "a", list(range(10)))                      # 3 blocks taken, 8 free
+    answers, requests = [], {}
+    # (id, prompt, tokens this step, full_sequence_must_fit, others scheduled)
+    for rid, prompt, n, whole, scheduled in [
+            ("b", range(100, 130), 4, True, True),      # whole: 8 + watermark > 8 free
+            ("b", range(100, 130), 4, False, True),     # this step only: 1 block
+            ("c", range(200, 218), 8, True, False),     # 5 blocks, no watermark
+            ("d", range(300, 320), 12, True, True),     # 5 + watermark > 5 free
+            ("d", range(300, 320), 5, False, False),    # 2 blocks, one full
+            ("e", range(400, 420), 16, False, False)]:  # 4 blocks > 3 free
+        r = requests.setdefault(rid, Request(rid, list(prompt), PARAMS, None,
+                                             block_hasher=m.hasher))
+        blocks, hit, _ = m.get_computed_blocks(r)
+        assert hit == 0 or forget_whole_request     # (the slip admits "b" early)
+        got = m.allocate_slots(r, n, hit, blocks, full_sequence_must_fit=whole,
+                               has_scheduled_reqs=scheduled)
+        answers.append(None if got is None else got.get_block_ids())
+        if got is not None:
+            r.num_computed_tokens, r.status = n, RequestStatus.RUNNING
+    group = m.coordinator.single_type_managers[0]
+    state = snapshot(m, ["a", *requests])
+    state.update(cached_counts=dict(group.num_cached_block), holders=sorted(group.req_to_blocks))
+    return answers, state, taken
+
+
+def test_admission_on_a_miss_takes_the_quick_pass_with_the_general_answer():
+    # allocate_slots' quick pass serves a request admitted on a prefix miss (the shared empty
+    # hit): the whole request is checked first, then the step, with the watermark; the
+    # answers and the state are the general path's.
+    quick, general = _admissions_on_misses(True), _admissions_on_misses(False)
+    assert quick[0] == general[0] == [None, ([4],), ([5, 6],), None, ([7, 8],), None]
+    assert quick[1] == general[1]
+    assert quick[2] and all(quick[2]) and not any(general[2])
+    # A quick pass that forgot the whole-request check would admit "b" at once.
+    assert _admissions_on_misses(True, forget_whole_request=True)[0] != general[0]
 
 
 def test_bad_arguments_are_typed_errors_and_change_nothing():

@@ -125,6 +125,16 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash,
                          kv_cache_group_ids: list[int]) -> list[KVCacheBlock] | None:
         """The block cached under ``block_hash`` in each group, or None if one group lacks it."""
+        if len(kv_cache_group_ids) == 1:
+            # One group (most models; once per block of every prefix lookup): the key from
+            # the group's suffix as cache_full_blocks made it (the same bytes
+            # make_block_hash_with_group_id gives), and no list grown in a loop.
+            group_id = kv_cache_group_ids[0]
+            suffix = self._group_key_suffixes.get(group_id) if type(group_id) is int else None
+            block = self.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(block_hash, group_id) if suffix is None
+                else block_hash + suffix)
+            return None if block is None else [block]
         found = []
         for group_id in kv_cache_group_ids:
             block = self.cached_block_hash_to_block.get_one_block(

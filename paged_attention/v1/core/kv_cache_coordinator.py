@@ -178,7 +178,10 @@ class KVCacheCoordinator:
             m.remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.single_type_managers)
+        managers = self.single_type_managers
+        if len(managers) == 1:      # (one group, most models: per admitted request)
+            return (managers[0].req_to_blocks.get(request_id) or [],)
+        return tuple([m.req_to_blocks.get(request_id) or [] for m in managers])
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_cache_hit_length: int,
                                ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:

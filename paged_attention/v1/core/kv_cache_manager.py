@@ -262,17 +262,20 @@ class KVCacheManager:
         the caching of the blocks this step fills (``delay_cache_blocks``: not yet).
         """
         # The scheduler calls this once per running request and step with a positive int of
-        # new tokens and every other count left at 0: that call is recognised first, the zeros
-        # by identity with the int 0 (CPython has one such object; a zero that is another
-        # object, or not an int, just takes the general path, which checks it). The flag is
-        # tested here too, so that models the fast path never fits pay no extra call.
-        if (new_computed_blocks is None and type(num_new_tokens) is int and num_new_tokens > 0
+        # new tokens and every other count left at 0, and once per admitted request with the
+        # same and, on a prefix miss, the shared empty blocks: those calls are recognised
+        # first, the zeros by identity with the int 0 (CPython has one such object; a zero
+        # that is another object, or not an int, just takes the general path, which checks
+        # it). The flag is tested here too, so that models the fast path never fits pay no
+        # extra call.
+        if ((new_computed_blocks is None or new_computed_blocks is self.empty_kv_cache_blocks)
+                and type(num_new_tokens) is int and num_new_tokens > 0
                 and num_new_computed_tokens is num_lookahead_tokens
                 is num_external_computed_tokens is reserved_blocks is _ZERO
-                and not num_encoder_tokens and not full_sequence_must_fit
-                and self._running_fast_path is not False):
-            fast = self._allocate_running_full_attention(request, num_new_tokens,
-                                                         delay_cache_blocks, has_scheduled_reqs)
+                and not num_encoder_tokens and self._running_fast_path is not False):
+            fast = self._allocate_running_full_attention(
+                request, num_new_tokens, delay_cache_blocks, has_scheduled_reqs,
+                bool(full_sequence_must_fit))
             if fast is not _NOT_TAKEN:
                 return fast
         # Anything else has each count checked, and the wrong one named.
@@ -342,12 +345,15 @@ class KVCacheManager:
 
     def _allocate_running_full_attention(self, request: Request, num_new_tokens: int,
                                          delay_cache_blocks: bool, has_scheduled_reqs: bool,
+                                         full_sequence_must_fit: bool = False,
                                          ) -> KVCacheBlocks | None | object:
-        """``allocate_slots`` for a running request when every group is full attention: the
-        call the scheduler makes for each running request every step. The general path then
-        has nothing to give back behind a window, no hit to adopt and no admission cap, so
-        the count is each group's growth; this does the same in one pass, with the same
-        answer. ``_NOT_TAKEN`` where it does not apply (the general path decides)."""
+        """``allocate_slots`` with no hit to adopt when every group is full attention: the
+        call the scheduler makes for each running request every step, and for each request it
+        admits on a prefix miss. The general path then has nothing to give back behind a
+        window and no hit blocks to count or touch, so each count (this step's, and the whole
+        request's with ``full_sequence_must_fit``) is each group's growth, for a new request
+        as for a running one; this does the same in one pass, with the same answer.
+        ``_NOT_TAKEN`` where it does not apply (the general path decides)."""
         if not self._running_fast_path:
             if self._running_fast_path is False:
                 return _NOT_TAKEN
@@ -367,25 +373,39 @@ class KVCacheManager:
         # Tokens whose block hashes exist: a group has blocks to cache only if it has cached
         # fewer than these (in a decode step, once per block_size steps).
         num_hashed_tokens = len(request.block_hashes) * self._hash_block_size
-        needed = 0
+        # The whole request's length, for the admission check (0: none asked).
+        full = 0
+        if full_sequence_must_fit:
+            full = len(request._all_token_ids)
+            if full > max_model_len:
+                full = max_model_len
+        needed = needed_full = 0
         blocks_to_cache = False
         for m in coordinator.single_type_managers:
-            num_cached = m.num_cached_block.get(request_id)
-            if num_cached is None:
-                return _NOT_TAKEN       # not running in this group yet: the general path
+            # A request not running in this group yet (admitted on a miss) has cached none.
+            num_cached = m.num_cached_block.get(request_id, 0)
             block_size = m.block_size
-            grow = (-(num_tokens_need_slot // -block_size)
-                    - len(m.req_to_blocks.get(request_id, ())))
+            num_held = len(m.req_to_blocks.get(request_id, ()))
+            grow = -(num_tokens_need_slot // -block_size) - num_held
             if grow > 0:
                 needed += grow
+            if full:
+                required = -(full // -block_size)
+                cap = m.max_admission_blocks_per_request
+                if cap is not None and required > cap:
+                    required = cap
+                if required > num_held:
+                    needed_full += required - num_held
             if num_cached * block_size < num_hashed_tokens:
                 blocks_to_cache = True
         watermark = (self.watermark_blocks if self.watermark_blocks and has_scheduled_reqs
                      and request.status in _ADMITTING else 0)
         # (No block needed and no watermark fits any pool: the free count is read only when
         # there is something to compare, not for each decode step inside its last block.)
-        if ((needed or watermark)
-                and needed + watermark > self.block_pool.free_block_queue.num_free_blocks):
+        # The general path checks the whole request first, then the step: either refuses.
+        checked = needed if needed >= needed_full else needed_full
+        if ((checked or watermark)
+                and checked + watermark > self.block_pool.free_block_queue.num_free_blocks):
             return None
         if needed:
             # Some group grows by ``needed`` > 0 blocks, so create_kv_cache_blocks' "any

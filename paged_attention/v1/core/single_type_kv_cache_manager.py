@@ -101,8 +101,11 @@ class SingleTypeKVCacheManager:
                       0)
         # Hit blocks behind the window are replaced by the null block, not touched.
         kept = new_computed_blocks[max(0, num_skipped_blocks - num_held):]
-        num_evictable = sum(b.ref_cnt == 0 and not b.is_null for b in kept)
-        return num_new + num_evictable
+        # (A loop, not sum() over a generator: twice per request admitted on a hit.)
+        for b in kept:
+            if b.ref_cnt == 0 and not b.is_null:
+                num_new += 1
+        return num_new
 
     def add_local_computed_blocks(self, request_id: str,
                                   new_computed_blocks: Sequence[KVCacheBlock],

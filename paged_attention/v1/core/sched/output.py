@@ -38,14 +38,10 @@ class NewRequestData:
     @classmethod
     def from_request(cls, request: "Request", block_ids: tuple[list[int], ...],
                      prefill_token_ids: Optional[list[int]] = None) -> "NewRequestData":
-        return cls(
-            req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params,
-            block_ids=block_ids,
-            num_computed_tokens=request.num_computed_tokens,
-            prefill_token_ids=prefill_token_ids,
-        )
+        # (Positional, in the fields' order: once per admitted request, and keywords cost
+        # twice as much.)
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
+                   block_ids, request.num_computed_tokens, prefill_token_ids)
 
     @property
     def prompt_len(self) -> int:

@@ -399,47 +399,64 @@ class Scheduler:
         with its longest cached prefix; the first one that does not fit stops admission."""
         manager = self.kv_cache_manager
         skipped: deque[Request] = deque()
-        while step.token_budget > 0 and self.waiting:
-            if len(self.running) >= self.max_num_running_reqs:
+        # This loop runs once per admitted request: what it reads of the scheduler and the
+        # step is looked up once, and StepBudget.schedule is written out (the budget lives in
+        # a local and goes back to the step at the end).
+        waiting, running = self.waiting, self.running
+        max_num_running_reqs = self.max_num_running_reqs
+        threshold = step.long_prefill_threshold
+        enable_chunked_prefill = self.enable_chunked_prefill
+        must_fit = self.scheduler_reserve_full_isl
+        get_computed_blocks, allocate_slots = manager.get_computed_blocks, manager.allocate_slots
+        num_scheduled_tokens = step.num_scheduled_tokens
+        req_to_new_blocks = step.req_to_new_blocks
+        token_budget = step.token_budget
+        while token_budget > 0 and waiting:
+            if len(running) >= max_num_running_reqs:
                 break
-            request = self.waiting.peek_request()
+            request = waiting.peek_request()
             if request.num_stale_output_tokens and not request.drop_stale_output:
                 # Async scheduling: output of its preempted run is still in flight and would
                 # land on positions a new run resamples. Wait for it, out of the others' way.
-                skipped.appendleft(self.waiting.pop_request())
+                skipped.appendleft(waiting.pop_request())
                 continue
 
             # The longest cached prefix needs no computing (never the whole prompt: the last
             # token must run to give logits).
             new_computed_blocks, num_computed_tokens, request.shared_prefix_boundary = (
-                manager.get_computed_blocks(request))
+                get_computed_blocks(request))
             num_new_tokens = request.num_tokens - num_computed_tokens
-            if 0 < step.long_prefill_threshold < num_new_tokens:
-                num_new_tokens = step.long_prefill_threshold
-            if not self.enable_chunked_prefill and num_new_tokens > step.token_budget:
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if not enable_chunked_prefill and num_new_tokens > token_budget:
                 break
-            num_new_tokens = min(num_new_tokens, step.token_budget)
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
 
-            new_blocks = manager.allocate_slots(
+            new_blocks = allocate_slots(
                 request, num_new_tokens,
                 num_new_computed_tokens=num_computed_tokens,
                 new_computed_blocks=new_computed_blocks,
-                full_sequence_must_fit=self.scheduler_reserve_full_isl,
-                has_scheduled_reqs=bool(self.running),
+                full_sequence_must_fit=must_fit,
+                has_scheduled_reqs=bool(running),
             )
             if new_blocks is None:
                 break                   # does not fit: it and everyone behind it wait
 
-            self.waiting.pop_request()
-            self.running.append(request)
+            waiting.pop_request()
+            running.append(request)
             if request.status == RequestStatus.WAITING:
                 step.new_reqs.append(request)
             else:
                 step.resumed_reqs.append(request)
             # A new request's worker entry lists all its blocks, cache hits included.
-            step.schedule(request, num_new_tokens, manager.get_blocks(request.request_id))
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new_tokens
+            req_to_new_blocks[request_id] = manager.get_blocks(request_id)
+            token_budget -= num_new_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
+        step.token_budget = token_budget
         if skipped:
             self.waiting.prepend_requests(skipped)
 
@@ -454,9 +471,11 @@ class Scheduler:
         if self.use_v2_model_runner:
             # V2's runner takes a resumed request as a new one, with all its tokens to prefill.
             new_reqs, resumed_reqs = new_reqs + resumed_reqs, []
+            # (A copy of the request's own list: the same tokens as its read-only view holds,
+            # without list() walking the view in Python, per admitted request.)
             new_reqs_data = [
                 NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids(),
-                                            list(req.all_token_ids))
+                                            list(req._all_token_ids))
                 for req in new_reqs]
         else:
             new_reqs_data = [
