@@ -1,6 +1,7 @@
 """The block pool's one-pass ``free_blocks`` against its block-by-block path
 (``_free_blocks_checked``): the same queue, counts and errors, call after call."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,11 @@ def _state(pool):
         block = block.prev_free_block
     links = [(b.prev_free_block is None, b.next_free_block is None) for b in pool.blocks]
     return forward, backward[::-1], q.num_free_blocks, [b.ref_cnt for b in pool.blocks], links
+
+
+def _checked(pool, blocks):
+    """The block-by-block path on what ``free_blocks`` gives it (the null blocks left out)."""
+    pool._free_blocks_checked([b for b in blocks if not b.is_null])
 
 
 def _twins(seed, caching):
@@ -59,7 +65,7 @@ def test_one_pass_free_matches_the_block_by_block_path(seed, caching):
     random.Random(seed).shuffle(order)
     for i in order:
         fast.free_blocks(reversed(fast_tables[i]))
-        slow._free_blocks_checked(list(reversed(slow_tables[i])))
+        _checked(slow, reversed(slow_tables[i]))
         assert _state(fast) == _state(slow)
     assert fast.get_num_free_blocks() == 39
 
@@ -76,10 +82,13 @@ def _bad_calls(pool, tables):
         list(reversed(t1)) + [t1[-1], other],              # both: the foreign block is named
         list(reversed(t0)) + ["not a block"],              # not a block at all
         [other] + ["not a block"],                         # which comes first decides
+        list(reversed(t1)) + [SimpleNamespace(is_null=False)],                # no id
+        list(reversed(t1)) + [SimpleNamespace(is_null=False, block_id="7")],  # not an int
+        list(reversed(t1)) + [SimpleNamespace(is_null=False, block_id="7"), other],
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(9))
 def test_a_bad_free_fails_as_the_block_by_block_path_does(case):
     (fast, slow), (fast_tables, slow_tables) = _twins(3, True)
     fast_call = _bad_calls(fast, fast_tables)[case]
@@ -87,7 +96,7 @@ def test_a_bad_free_fails_as_the_block_by_block_path_does(case):
     with pytest.raises(Exception) as fast_error:
         fast.free_blocks(iter(fast_call))
     with pytest.raises(Exception) as slow_error:
-        slow._free_blocks_checked(slow_call)
+        _checked(slow, slow_call)
     assert type(fast_error.value) is type(slow_error.value)
     assert str(fast_error.value) == str(slow_error.value)
     assert _state(fast) == _state(slow)
@@ -104,7 +113,7 @@ def test_a_queued_block_with_a_user_fails_as_the_block_by_block_path_does():
     with pytest.raises(ValueError, match="already in the free queue"):
         fast.free_blocks(fast.bad)
     with pytest.raises(ValueError, match="already in the free queue"):
-        slow._free_blocks_checked(slow.bad)
+        _checked(slow, slow.bad)
     assert _state(fast) == _state(slow)
 
 
