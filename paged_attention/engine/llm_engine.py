@@ -316,7 +316,8 @@ class LLMEngine:
     def _process(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Each request's new tokens appended; the finished ones made ``RequestOutput``s."""
         done = []
-        get_request = self.requests.get          # (this loop runs for every request every step)
+        requests = self.requests
+        get_request = requests.get               # (this loop runs for every request every step)
         for out in outputs:
             request = get_request(out.request_id)
             if request is None:
@@ -325,15 +326,16 @@ class LLMEngine:
             if out.finish_reason is not None:
                 request.finish_reason = str(out.finish_reason)
                 request.num_cached_tokens = self.core.num_cached_tokens.pop(out.request_id, 0)
-                done.append(self.output(self.requests.pop(out.request_id)))
+                done.append(self.output(requests.pop(out.request_id)))
         return done
 
     def output(self, request: _Request) -> RequestOutput:
         token_ids = list(request.output_token_ids)
         text = self.detokenize(token_ids) if self.detokenize is not None else ""
+        # (Positional: keywords cost more, and a step can finish hundreds of requests.)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [CompletionOutput(0, text, token_ids, request.finish_reason)],
-                             finished=request.finish_reason is not None, num_cached_tokens=request.num_cached_tokens)
+                             request.finish_reason is not None, request.num_cached_tokens)
 
     detokenize = None    # set by LLM: token ids -> text
 
