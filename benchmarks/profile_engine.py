@@ -13,6 +13,13 @@ For each batch size it prints
 
 Random weights generate different tokens than the real model, but a step's work depends only on
 the shapes (every request runs exactly ``--max-tokens`` tokens, end tokens ignored).
+
+Tuning in the engine: a tile that wins alone (``bench_fused_linear.py --sweep``) can lose inside
+a step, where the kernels before and after it share the GPU and the caches (and the reverse).
+``--tile 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES;...'`` replaces ``fused_linear.TUNED``'s entry for
+``M`` rows of the projection ``(N, K, silu_and_mul)`` (SILU 0 or 1), and ``--decode-launch
+TILE_N,WARPS,STAGES`` gives every decode-attention launch that shape, for this run only: run it
+with and without, alternating, on one warm machine, and compare the GPU busy time a step.
 """
 import argparse
 import cProfile
@@ -32,6 +39,44 @@ from paged_attention.model.weights import random_weights
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                     rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def apply_overrides(tile: str, decode_launch: str) -> list[str]:
+    """Apply ``--tile`` and ``--decode-launch`` (see the module's docstring) for this process;
+    returns a line per override. A malformed or unbuildable value is a ``ValueError``, before
+    anything is changed."""
+    from paged_attention.kernels.triton import decode, fused_linear
+
+    tiles = []
+    for item in filter(None, (t.strip() for t in tile.split(";"))):
+        try:
+            key, cfg = item.split("=")
+            n, k, silu, m = (int(v) for v in key.split(","))
+            config = fused_linear.FusedLinearConfig(*(int(v) for v in cfg.split(",")))
+        except (ValueError, TypeError) as e:       # a wrong count of fields, a non-integer field
+            raise ValueError(f"--tile wants 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES', got {item!r}") from e
+        if silu not in (0, 1) or min(n, k, m) < 1:
+            raise ValueError(f"--tile {item!r}: N, K and M must be positive and SILU 0 or 1")
+        tiles.append(((n, k, bool(silu)), m, fused_linear._check_config(config)))
+    launch = None
+    if decode_launch:
+        try:
+            launch = decode.check_launch(tuple(int(v) for v in decode_launch.split(",")))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--decode-launch wants TILE_N,WARPS,STAGES, got {decode_launch!r}: {e}") from e
+    lines = []
+    for shape, m, config in tiles:
+        fused_linear.TUNED.setdefault(shape, {})[m] = config
+        lines.append(f"fused_linear.TUNED[{shape}][{m}] = {config}")
+    if launch is not None:
+        general = decode.choose_launch
+
+        def forced(device, max_seq_len, num_splits=1, num_programs=None):
+            return launch if device.type == "cuda" else general(device, max_seq_len, num_splits, num_programs)
+
+        decode.choose_launch = forced           # DecodePlan reads the module's function
+        lines.append(f"decode launch {launch} on the GPU")
+    return lines
 
 
 def kernel_table(llm: LLM, n: int, prompt_len: int) -> str:
@@ -147,7 +192,10 @@ def main() -> int:
                         help="the fused layer ops' small_batch (token rows that take the fused projections)")
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile_engine.log")
     parser.add_argument("--llm", default="", help="extra LLM keyword arguments, k=v,k=v (ints and bools)")
+    parser.add_argument("--tile", default="", help="fused_linear.TUNED overrides: 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES;...'")
+    parser.add_argument("--decode-launch", default="", help="every decode launch's TILE_N,WARPS,STAGES")
     opts = parser.parse_args()
+    overrides = apply_overrides(opts.tile, opts.decode_launch)
     if not torch.cuda.is_available():
         print("this profile needs an NVIDIA GPU")
         return 1
@@ -164,7 +212,7 @@ def main() -> int:
               record_gpu_time=True, **extra)
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M shape, random weights, "
              f"bf16, {opts.prompt_len}+{opts.max_tokens} tokens; LLM extra {extra}; small_batch "
-             f"{getattr(model.ops, 'small_batch', None)}"]
+             f"{getattr(model.ops, 'small_batch', None)}" + "".join(f"; {o}" for o in overrides)]
     print(lines[0], flush=True)
     for n in sizes:
         prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n)

@@ -117,3 +117,41 @@ def test_committed_results_are_read_where_present(tmp_path):
     assert load_results(tmp_path / "none.json") is None
     (tmp_path / "r.json").write_text(json.dumps({"ablation": {"rows": []}}))
     assert load_results(tmp_path / "r.json") == {"ablation": {"rows": []}}
+
+
+def _profile_engine():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_engine.py"
+    spec = importlib.util.spec_from_file_location("profile_engine_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_engine_overrides_tiles_and_the_decode_launch(monkeypatch):
+    """``--tile`` and ``--decode-launch`` change the tuning tables for the run, and a malformed
+    value changes nothing."""
+    import copy
+
+    from paged_attention.kernels.triton import decode, fused_linear
+
+    monkeypatch.setattr(fused_linear, "TUNED", copy.deepcopy(fused_linear.TUNED))
+    monkeypatch.setattr(decode, "choose_launch", decode.choose_launch)
+    before = copy.deepcopy(fused_linear.TUNED)
+    pe = _profile_engine()
+    for tile, launch in [("960,576,0,64=16,16", ""), ("960,576,2,64=16,32,64,4,3", ""),
+                         ("960,576,0,64=16,8,64,4,3", ""),      # tl.dot rows with 8 columns: unbuildable
+                         ("960,576,0,64=16,32,64,4,3", "64,4"), ("", "48,4,3")]:
+        with pytest.raises(ValueError):
+            pe.apply_overrides(tile, launch)
+        assert fused_linear.TUNED == before
+    general = decode.choose_launch
+    lines = pe.apply_overrides("960,576,0,64=16,64,64,8,2; 1536,576,1,256=32,64,64,4,3", "32,2,3")
+    assert len(lines) == 3
+    assert fused_linear.default_config(64, 960, 576) == fused_linear.FusedLinearConfig(16, 64, 64, 8, 2)
+    assert fused_linear.default_config(200, 1536, 576, True) == fused_linear.FusedLinearConfig(32, 64, 64, 4, 3)
+    assert fused_linear.default_config(32, 576, 576) == before[(576, 576, False)][32]      # the others kept
+    cuda = SimpleNamespace(type="cuda")
+    assert decode.choose_launch(cuda, 192, 1, 768) == (32, 2, 3)
+    cpu = torch.device("cpu")
+    assert decode.choose_launch(cpu, 192) == general(cpu, 192)
