@@ -10,7 +10,6 @@ prefix); it is taken out at the start and never given to anyone.
 """
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -325,75 +324,6 @@ class BlockPool:
         ``ValueError`` and nothing is freed.
         """
         blocks = [b for b in ordered_blocks if not b.is_null]
-        pool, num_gpu_blocks = self.blocks, self.num_gpu_blocks
-        caching = self.enable_caching
-        # The usual call (every block this pool's, none freed too often, none queued) in one
-        # pass: count each block down and chain those left with no user, front ones and back
-        # ones apart, in the order given; the two chains are spliced in at the end, which is
-        # what prepend_n and append_n do with the same lists. Anything else stops the pass,
-        # undoes its counts and links, and the block-by-block path runs from the start, so
-        # errors (and what they leave) are that path's.
-        front_first = front_last = back_first = back_last = None
-        num_front = num_back = 0
-        walk = iter(blocks)
-        stopped = True
-        try:
-            for block in walk:
-                i = block.block_id
-                if not 0 <= i < num_gpu_blocks or pool[i] is not block:
-                    break
-                n = block.ref_cnt - 1
-                if n:
-                    if n < 0:
-                        break
-                    block.ref_cnt = n
-                    continue
-                if block.prev_free_block is not None or block.next_free_block is not None:
-                    break
-                block.ref_cnt = 0
-                # (The slot, not the property: this runs for every block a request frees.)
-                if block._block_hash is None or not caching:
-                    if front_last is None:
-                        front_first = block
-                    else:
-                        front_last.next_free_block = block
-                        block.prev_free_block = front_last
-                    front_last = block
-                    num_front += 1
-                else:
-                    if back_last is None:
-                        back_first = block
-                    else:
-                        back_last.next_free_block = block
-                        block.prev_free_block = back_last
-                    back_last = block
-                    num_back += 1
-            else:
-                stopped = False
-        except Exception:
-            pass
-        if not stopped:
-            queue = self.free_block_queue
-            if front_first is not None:
-                queue.insert_chain_after(queue.fake_free_list_head, front_first, front_last,
-                                         num_front)
-            if back_first is not None:
-                queue.insert_chain_after(queue.fake_free_list_tail.prev_free_block, back_first,
-                                         back_last, num_back)
-            return
-        # Undo the pass: the chains' links, and the counts of the blocks before the one it
-        # stopped at (where the walk stands: the list iterator knows how many are left).
-        for block in (front_first, back_first):
-            while block is not None:
-                following = block.next_free_block
-                block.prev_free_block = block.next_free_block = None
-                block = following
-        self._undo_counts(blocks, len(blocks) - operator.length_hint(walk) - 1)
-        self._free_blocks_checked(blocks)
-
-    def _free_blocks_checked(self, blocks: list[KVCacheBlock]) -> None:
-        """``free_blocks`` of these blocks (no null block among them), block by block, each
-        check in turn: its general path."""
         pool, num_gpu_blocks = self.blocks, self.num_gpu_blocks
         caching = self.enable_caching
         to_front, to_back = [], []

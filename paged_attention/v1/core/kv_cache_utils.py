@@ -278,18 +278,6 @@ class FreeKVCacheBlockQueue:
         if blocks:
             self._insert_after(self.fake_free_list_head, blocks)
 
-    def insert_chain_after(self, anchor: KVCacheBlock, first: KVCacheBlock, last: KVCacheBlock,
-                           count: int) -> None:
-        """Splice in, after ``anchor``, ``count`` blocks already linked to each other from
-        ``first`` to ``last`` (and to nothing else): the block pool's way of putting many freed
-        blocks back at once, once it has checked that none was queued."""
-        after = anchor.next_free_block
-        anchor.next_free_block = first
-        first.prev_free_block = anchor
-        last.next_free_block = after
-        after.prev_free_block = last
-        self.num_free_blocks += count
-
     def iter_blocks_after(self, cursor: KVCacheBlock | None = None) -> Iterator[KVCacheBlock]:
         """The free blocks in eviction order, after ``cursor`` (from the front if None)."""
         block = (cursor or self.fake_free_list_head).next_free_block
