@@ -449,6 +449,44 @@ def test_tokenizer_round_trip_and_special_tokens(tokenizer):
         tokenizer.decode([49152])
 
 
+def _decode_cases(tokenizer, n=3000):
+    """Id lists that stress a byte-table decode: any ids, specials among them, and tokens whose
+    bytes are a piece of a UTF-8 character (joined or cut apart)."""
+    rng = random.Random(0)
+    every, _ = tokenizer._token_bytes
+    pieces = [i for i, b in enumerate(every) if b.decode("utf-8", "ignore").encode() != b]
+    specials = sorted(tokenizer.special_token_ids)
+    assert len(pieces) > 100 and specials
+    cases = [[], [0], specials, pieces[:40]]
+    for _ in range(n):
+        pool = rng.choice([range(tokenizer.vocab_size), pieces, specials + pieces])
+        cases.append([rng.choice(pool) for _ in range(rng.randrange(1, 30))])
+    return cases
+
+
+def test_tokenizer_decode_equals_the_tokenizers_library(tokenizer):
+    # The byte-table decode against the tokenizers library's own, on the same vocabulary: every
+    # token alone, then lists where characters are cut between tokens and specials sit inside.
+    lib = tokenizer._tok
+    for skip in (True, False):
+        for i in range(tokenizer.vocab_size):
+            assert tokenizer.decode([i], skip) == lib.decode([i], skip_special_tokens=skip), i
+        for ids in _decode_cases(tokenizer):
+            assert tokenizer.decode(ids, skip) == lib.decode(ids, skip_special_tokens=skip), ids
+    assert "\ufffd" in tokenizer.decode(_decode_cases(tokenizer)[3])       # cut characters read as U+FFFD
+
+
+def test_tokenizer_decode_refuses_bad_ids(tokenizer):
+    assert tokenizer.decode(np.array([19556, 905])) == tokenizer.decode(torch.tensor([19556, 905])) == "Hello world"
+    assert tokenizer.decode(iter([19556])) == "Hello"
+    for ids in ([49152], [-1], [5, 7, 10 ** 9], [3, -4]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            tokenizer.decode(ids)
+    for ids in ([3.0], ["a"], [None], torch.tensor([[1, 2], [3, 4]])):
+        with pytest.raises(TypeError, match="must be ints"):
+            tokenizer.decode(ids)
+
+
 def test_tokenizer_equals_transformers(tokenizer, hf_tokenizer):
     for text in TEXTS:
         assert tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False), text
@@ -459,6 +497,11 @@ def test_tokenizer_equals_transformers(tokenizer, hf_tokenizer):
         for gen in (True, False):
             assert tokenizer.apply_chat_template(messages, add_generation_prompt=gen) == \
                 hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    # Decoding, against transformers' tokenizer (its space clean-up off: the text as generated).
+    for ids in _decode_cases(tokenizer, 300):
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip) == hf_tokenizer.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), ids
 
 
 def test_france_answers_paris(smollm, tokenizer):
