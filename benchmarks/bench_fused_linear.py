@@ -262,7 +262,8 @@ def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
       within 2K to 32K elements (4 warps up to 8K, then 8) and the programs number 24 to 512;
     * from 8 rows on, tl.dot: 16-row tiles (and M's own, up to 64), 16 to 64 columns, K in
       pipelined chunks of 64 to 256; also K in one chunk (padded to a power of two) on 8 warps,
-      and above 128 rows 64- and 128-row tiles on 4 or 8 warps.
+      or in two unpadded ones (``two_chunks``), and above 128 rows 64- and 128-row tiles on 4 or
+      8 warps.
     Configurations that spill registers when compiled for an H100 (tl.dot with K in one chunk of
     512 or more; 256 with SwiGLU's two weight tiles) are left out: every one of these compiles
     for sm_90 without a spill (checked with Triton 3.9's compiler, no GPU needed), except the
@@ -296,9 +297,25 @@ def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
         # tile loaded before the wait, nothing left to stream after it
         whole = min(2048, next_power_of_2(K))
         out += [C(16, bn, whole, 8, 1) for bn in ((16, 32) if whole <= 1024 else (16,))]
+        out += two_chunks(M, K, silu)
         if M > 128:                                       # hundreds of rows: taller tiles, 8 warps too
             out += [C(bm, bn, 64, w, 3) for bm, bn in ((64, 64), (128, 32), (128, 64)) for w in (4, 8)]
     return out
+
+
+def two_chunks(M: int, K: int, silu: bool) -> list:
+    """Tiles that read all of a K which is not a power of two before the wait, unpadded, as two
+    chunks (``BLOCK_K2``: 576 as 512 + 64, 1536 as 1024 + 512), on 4 or 8 warps; from 32 rows
+    also 32-row tiles. None for a power-of-two K (one chunk is that) or one above 2048."""
+    from paged_attention.kernels.triton import fused_linear as fl
+    first = 1 << (K.bit_length() - 1)
+    if first == K or K > 2048:
+        return []
+    from paged_attention.utils import next_power_of_2
+    second = max(16, next_power_of_2(K - first))
+    rows = [16] + ([32] if M >= 32 else [])
+    cols = (16, 32) if silu or K > 1024 else (16, 32, 64)
+    return [fl.FusedLinearConfig(bm, bn, first, w, 1, second) for bm in rows for bn in cols for w in (4, 8)]
 
 
 def run_sweep(Ms, dtype, device, smoke: bool) -> None:

@@ -16,7 +16,7 @@ the shapes (every request runs exactly ``--max-tokens`` tokens, end tokens ignor
 
 Tuning in the engine: a tile that wins alone (``bench_fused_linear.py --sweep``) can lose inside
 a step, where the kernels before and after it share the GPU and the caches (and the reverse).
-``--tile 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES;...'`` replaces ``fused_linear.TUNED``'s entry for
+``--tile 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES[,BK2];...'`` replaces ``fused_linear.TUNED``'s entry for
 ``M`` rows of the projection ``(N, K, silu_and_mul)`` (SILU 0 or 1), and ``--decode-launch
 TILE_N,WARPS,STAGES`` gives every decode-attention launch that shape, for this run only: run it
 with and without, alternating, on one warm machine, and compare the GPU busy time a step.
@@ -54,7 +54,7 @@ def apply_overrides(tile: str, decode_launch: str) -> list[str]:
             n, k, silu, m = (int(v) for v in key.split(","))
             config = fused_linear.FusedLinearConfig(*(int(v) for v in cfg.split(",")))
         except (ValueError, TypeError) as e:       # a wrong count of fields, a non-integer field
-            raise ValueError(f"--tile wants 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES', got {item!r}") from e
+            raise ValueError(f"--tile wants 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES[,BK2]', got {item!r}") from e
         if silu not in (0, 1) or min(n, k, m) < 1:
             raise ValueError(f"--tile {item!r}: N, K and M must be positive and SILU 0 or 1")
         tiles.append(((n, k, bool(silu)), m, fused_linear._check_config(config)))
@@ -192,7 +192,7 @@ def main() -> int:
                         help="the fused layer ops' small_batch (token rows that take the fused projections)")
     parser.add_argument("--out", default=None, help="also write the report to DIR/profile_engine.log")
     parser.add_argument("--llm", default="", help="extra LLM keyword arguments, k=v,k=v (ints and bools)")
-    parser.add_argument("--tile", default="", help="fused_linear.TUNED overrides: 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES;...'")
+    parser.add_argument("--tile", default="", help="fused_linear.TUNED overrides: 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES[,BK2];...'")
     parser.add_argument("--decode-launch", default="", help="every decode launch's TILE_N,WARPS,STAGES")
     opts = parser.parse_args()
     overrides = apply_overrides(opts.tile, opts.decode_launch)

@@ -118,7 +118,12 @@ def test_tiles_of_every_size_give_the_same_answer(dtype):
     x, residual, norm_weight, weight = _inputs(37, 48, 80, dtype, silu=True)
     configs = [FusedLinearConfig(16, 16, 16), FusedLinearConfig(32, 64, 128), FusedLinearConfig(64, 32, 32),
                # The CUDA-core product: one row, several; K in one chunk, in several.
-               FusedLinearConfig(1, 16, 128, 4, 1), FusedLinearConfig(4, 8, 32), FusedLinearConfig(8, 1, 16)]
+               FusedLinearConfig(1, 16, 128, 4, 1), FusedLinearConfig(4, 8, 32), FusedLinearConfig(8, 1, 16),
+               # Two first chunks (K = 80 as 64 + 16; 32 + 16 and a loop for the rest; 32 + 32, masked),
+               # on the tensor cores and the CUDA cores.
+               FusedLinearConfig(16, 16, 64, 4, 1, 16), FusedLinearConfig(16, 32, 32, 4, 2, 16),
+               FusedLinearConfig(32, 16, 32, 4, 1, 32), FusedLinearConfig(4, 8, 64, 4, 1, 16),
+               FusedLinearConfig(1, 16, 32, 4, 1, 16)]
     for config in configs:
         out, stream = norm_linear(x, norm_weight, weight, EPS, residual, act="silu_and_mul", config=config)
         _check(out, stream, x, norm_weight, weight, residual, True)
@@ -149,7 +154,8 @@ def test_strides_are_honoured():
     views = dict(x=wide[:, 5:45], residual=tall[::2], weight=weight.t().contiguous().t(),
                  norm_weight=torch.stack([norm_weight, norm_weight], 1)[:, 0])
     assert not any(v.is_contiguous() for v in views.values())
-    for config in (None, FusedLinearConfig(1, 8, 64, 4, 1), FusedLinearConfig(2, 4, 16, 4, 1)):
+    for config in (None, FusedLinearConfig(1, 8, 64, 4, 1), FusedLinearConfig(2, 4, 16, 4, 1),
+                   FusedLinearConfig(1, 8, 32, 4, 1, 16)):
         got = norm_linear(views["x"], views["norm_weight"], views["weight"], EPS, views["residual"],
                           act="silu_and_mul", config=config)
         _check(*got, x, norm_weight, weight, residual, True)
@@ -187,11 +193,14 @@ def test_linear_add_and_the_norm_from_its_sums(dtype, M):
     norm_weight, gate_up = _inputs(M, 24, 40, dtype, silu=True, seed=M + 1)[2:]
     before = residual.clone()
     for config in (None, FusedLinearConfig(1, 8, 64, 4, 1), FusedLinearConfig(4, 16, 32), FusedLinearConfig(16, 16, 16),
-                   FusedLinearConfig(16, 64, 128)):
+                   FusedLinearConfig(16, 64, 128), FusedLinearConfig(16, 16, 64, 4, 1, 16),
+                   FusedLinearConfig(2, 8, 32, 4, 2, 16)):
         out, sum_sq = linear_add(x, weight, residual, config=config)
         _check_linear_add(out, sum_sq, x, weight, residual, config)
         assert torch.equal(residual, before)                    # only read
-        got, stream = norm_linear(out, norm_weight, gate_up, EPS, act="silu_and_mul", sum_sq=sum_sq)
+        norm_config = None if config is None or not config.BLOCK_K2 else config._replace(BLOCK_K=32)
+        got, stream = norm_linear(out, norm_weight, gate_up, EPS, act="silu_and_mul", sum_sq=sum_sq,
+                                  config=norm_config)
         assert stream is out
         _check(got, stream, out, norm_weight, gate_up, None, True)
     # Views: every other row of the residual, a column slice of x, the pieces as a column slice.
@@ -320,6 +329,9 @@ def test_bad_input_is_refused_before_launch():
         (ValueError, dict(config=FusedLinearConfig(1, 4, 8))),            # a K chunk below 16
         (ValueError, dict(config=FusedLinearConfig(1, 4, 16, 3))),        # 3 warps
         (ValueError, dict(config=FusedLinearConfig(16, 48, 16))),         # not a power of two
+        (ValueError, dict(config=FusedLinearConfig(16, 16, 16, 4, 1, 8))),   # a second chunk below 16
+        (ValueError, dict(config=FusedLinearConfig(16, 16, 16, 4, 1, 48))),  # not a power of two
+        (ValueError, dict(config=FusedLinearConfig(16, 16, 16, 4, 1, True))),
     ]
     for error, change in bad:
         kw = dict(x=x, norm_weight=norm_weight, weight=weight, eps=EPS, residual=residual)

@@ -374,7 +374,7 @@ class FusedLayerOps:
                 stride_am=N, stride_an=1, HAS_NORM=has_norm, HAS_RESIDUAL=residual is not None,
                 SILU_AND_MUL=silu, NORM_FROM_SUMS=sum_sq is not None,
                 BLOCK_S=fl._pieces_block(max(1, pieces)), ADD_RESIDUAL=add is not None,
-                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+                BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_K2=config.BLOCK_K2,
                 num_warps=config.num_warps, num_stages=config.num_stages, **self._pdl.launch_options(pdl_on))
         out = x.new_empty(M, N)
         stream = x if residual is None else x.new_empty(M, K)

@@ -132,13 +132,15 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
                          HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_AND_MUL: tl.constexpr,
                          NORM_FROM_SUMS: tl.constexpr, BLOCK_S: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         BLOCK_K2: tl.constexpr, PDL: tl.constexpr):
     # Program (column tile, row tile): output columns rn of rows rm. out is [M, N] contiguous;
     # weight row n holds output column n's K coefficients (F.linear's [N, K]); with SwiGLU, weight
     # is [2N, K]: the gate's row n, then the up projection's row N + n. NORM_FROM_SUMS: the rows'
     # sums of squares come in pieces (sum_sq [M, num_sums], a linear_add's), not from a first pass
     # over x. ADD_RESIDUAL: the output is the projection plus add_ptr's [M, N], and each program
     # stores its rows' sums of squares over its columns (sums_out [M, column tiles], contiguous).
+    # BLOCK_K2 > 0: a second first chunk, K columns [BLOCK_K, BLOCK_K + BLOCK_K2), loaded with the
+    # first (a K of 576 as 512 + 64: all of it read before the wait, no padding to 1024).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -156,20 +158,30 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
         w_up = _load_weight(weight_ptr + N * stride_wn, cols, n_mask, k, K, stride_wn, stride_wk, BLOCK_M)
     if HAS_NORM:
         norm_w = tl.load(norm_weight_ptr + k * stride_nw, mask=k < K, other=0.0)
+    if BLOCK_K2 > 0:
+        k2 = BLOCK_K + tl.arange(0, BLOCK_K2)
+        w2 = _load_weight(weight_ptr, cols, n_mask, k2, K, stride_wn, stride_wk, BLOCK_M)
+        if SILU_AND_MUL:
+            w2_up = _load_weight(weight_ptr + N * stride_wn, cols, n_mask, k2, K, stride_wn, stride_wk, BLOCK_M)
+        if HAS_NORM:
+            norm_w2 = tl.load(norm_weight_ptr + k2 * stride_nw, mask=k2 < K, other=0.0)
     # Launched with PDL, this kernel may be running before the previous one has finished: the
     # weights are no kernel's output, everything below (the stream, its sums) is. The K chunks
     # after the first are asked of the L2 cache meanwhile, for the loop below to find there (by
     # the first row tile's programs: the others read the same weights).
     if PDL:
         if pid_m == 0:
-            _pdl.prefetch_rows(weight_ptr, cols, n_mask, BLOCK_K, K, stride_wn, stride_wk, STEP=32)
+            _pdl.prefetch_rows(weight_ptr, cols, n_mask, BLOCK_K + BLOCK_K2, K, stride_wn, stride_wk, STEP=32)
             if SILU_AND_MUL:
-                _pdl.prefetch_rows(weight_ptr + N * stride_wn, cols, n_mask, BLOCK_K, K, stride_wn, stride_wk,
+                _pdl.prefetch_rows(weight_ptr + N * stride_wn, cols, n_mask, BLOCK_K + BLOCK_K2, K, stride_wn, stride_wk,
                                    STEP=32)
     _pdl.wait(PDL)
     _pdl.launch_dependents(PDL)
     a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
                      HAS_RESIDUAL)
+    if BLOCK_K2 > 0:
+        a2 = _load_stream(x_ptr, residual_ptr, rows, m_mask, k2, K, stride_xm, stride_xk, stride_rm, stride_rk,
+                          HAS_RESIDUAL)
 
     if HAS_NORM and NORM_FROM_SUMS:
         # The stream is x itself, and its rows' sums of squares were summed in pieces by the kernel
@@ -179,6 +191,8 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
                          mask=m_mask[:, None] & (s < num_sums)[None, :], other=0.0)
         inv_rms = 1.0 / tl.sqrt(tl.sum(pieces, axis=1) / K + eps)
         a = _normalise(a, inv_rms, norm_w)
+        if BLOCK_K2 > 0:
+            a2 = _normalise(a2, inv_rms, norm_w2)
     elif HAS_NORM:
         # Each row's sum of squares; the programs of the first column tile also store the stream
         # (x + residual) into the new stream tensor, [M, K] contiguous.
@@ -187,7 +201,13 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
         sum_sq = tl.sum(af * af, axis=1)
         if HAS_RESIDUAL:
             tl.store(stream_ptr + rows[:, None] * K + k[None, :], a, mask=store_rows[:, None] & (k < K)[None, :])
-        for k0 in range(BLOCK_K, K, BLOCK_K):           # the rest of the rows, if K > BLOCK_K
+        if BLOCK_K2 > 0:
+            a2f = a2.to(tl.float32)
+            sum_sq += tl.sum(a2f * a2f, axis=1)
+            if HAS_RESIDUAL:
+                tl.store(stream_ptr + rows[:, None] * K + k2[None, :], a2,
+                         mask=store_rows[:, None] & (k2 < K)[None, :])
+        for k0 in range(BLOCK_K + BLOCK_K2, K, BLOCK_K):   # the rest of the rows, if any
             kk = k0 + k
             h = _load_stream(x_ptr, residual_ptr, rows, m_mask, kk, K, stride_xm, stride_xk, stride_rm, stride_rk,
                              HAS_RESIDUAL)
@@ -198,13 +218,19 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
                          mask=store_rows[:, None] & (kk < K)[None, :])
         inv_rms = 1.0 / tl.sqrt(sum_sq / K + eps)
         a = _normalise(a, inv_rms, norm_w)
+        if BLOCK_K2 > 0:
+            a2 = _normalise(a2, inv_rms, norm_w2)
 
     acc = _mma(a, w, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_M)
     if SILU_AND_MUL:
         acc_up = _mma(a, w_up, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_M)
+    if BLOCK_K2 > 0:
+        acc = _mma(a2, w2, acc, BLOCK_M)
+        if SILU_AND_MUL:
+            acc_up = _mma(a2, w2_up, acc_up, BLOCK_M)
 
     # The other K chunks, if any: the stream read again (from the cache), normalised on the way in.
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(BLOCK_K + BLOCK_K2, K, BLOCK_K):
         kk = k0 + k
         w = _load_weight(weight_ptr, cols, n_mask, kk, K, stride_wn, stride_wk, BLOCK_M)
         if SILU_AND_MUL:
@@ -248,12 +274,16 @@ class FusedLinearConfig(NamedTuple):
     """The kernel's tile sizes and launch options, powers of two. ``BLOCK_M`` rows a program: from
     16 on, the product runs on the tensor cores (``tl.dot``, whose smallest tile is 16 x 16 x 16:
     then ``BLOCK_N`` >= 16 too), below 16 on the CUDA cores (any ``BLOCK_N``). ``BLOCK_K`` (>= 16):
-    K in chunks of that many; at least K, the stream and the weights are read once."""
+    K in chunks of that many; at least K, the stream and the weights are read once. ``BLOCK_K2``
+    (0, or a power of two >= 16): a second chunk of that many read with the first, before the
+    wait, so that a K which is not a power of two is read whole without padding (576 as 512 +
+    64); the chunks after those two, if any, are ``BLOCK_K`` long."""
     BLOCK_M: int
     BLOCK_N: int
     BLOCK_K: int
     num_warps: int = 4
     num_stages: int = 3
+    BLOCK_K2: int = 0
 
 
 CUDA_CORE_ROWS = 4
@@ -269,9 +299,9 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=1),
-        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=1),
-        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
-        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=1, BLOCK_K2=64),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=1, BLOCK_K2=64),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=1, BLOCK_K2=64),
         128: FusedLinearConfig(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
     (1536, 576, True): {
@@ -279,8 +309,8 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         2: FusedLinearConfig(BLOCK_M=2, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=4, BLOCK_K=1024, num_warps=8, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=1, BLOCK_K2=64),
+        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=1, BLOCK_K2=64),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
         128: FusedLinearConfig(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     },
@@ -290,7 +320,7 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         4: FusedLinearConfig(BLOCK_M=4, BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
         8: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=1),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=1024, num_warps=8, num_stages=1),
-        32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+        32: FusedLinearConfig(BLOCK_M=32, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=1, BLOCK_K2=64),
         64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
         128: FusedLinearConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
     },
@@ -318,6 +348,11 @@ Four entries were then chosen in the engine's own decode steps (``profile_engine
 each change against the table before it, alternating, on the H200): QKV and o_proj at 8 and 16
 rows with K in one chunk on 8 warps (GPU time a step -7% at 8 requests, -6% at 16; at 32 rows
 and 64 the same tiles were slower), and down_proj at 64 rows with 32 columns a program (-1.5%).
+Six entries read all of K before the wait in two unpadded chunks (``BLOCK_K2``, 512 + 64), chosen
+on an H100 (each faster alone, ``bench_fused_linear.py``; then in the engine's decode steps,
+``profile_engine``, against the table before them, alternating): QKV at 16, 32 and 64 rows,
+gate-up at 16 and 32, o_proj at 32 (GPU time a step -12% at 16 requests, -13% at 32, -7% at 64;
+at 64 rows the same for gate-up, o_proj or down was slower, alone or in the engine).
 ``default_config`` takes the entry of the smallest measured M at or above the token count;
 shapes and token counts not in it get the rule."""
 
@@ -358,6 +393,9 @@ def _check_config(config: object) -> FusedLinearConfig:
         v = getattr(config, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"config.{name} must be a positive int, got {v!r}")
+    k2 = config.BLOCK_K2
+    if not isinstance(k2, int) or isinstance(k2, bool) or (k2 and (k2 < 16 or k2 & (k2 - 1))):
+        raise ValueError(f"config.BLOCK_K2 must be 0 or a power of two >= 16, got {k2!r}")
     for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"):
         v = getattr(config, name)
         if v & (v - 1):
@@ -450,7 +488,7 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
             HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu,
             NORM_FROM_SUMS=sum_sq is not None,
             BLOCK_S=_pieces_block(sum_sq.size(1) if sum_sq is not None else 1), ADD_RESIDUAL=add is not None,
-            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_K2=config.BLOCK_K2,
             num_warps=config.num_warps, num_stages=config.num_stages,
             **_pdl.launch_options(pdl_on and _pdl.enabled(x.device)))
     elif sums_out is not None:
