@@ -31,8 +31,11 @@ What makes it fast at a few rows is reading everything once, in one go, on many 
 
 * one pass over K. A program loads its weight tile first (the longest wait), then its rows of
   the stream, computes the norm from those registers and multiplies: with ``BLOCK_K >= K`` (576
-  here) nothing is read twice and no loop waits on the one before. A larger K goes on in chunks,
-  and then the stream is read again (sum of squares first, then the product);
+  here) nothing is read twice and no loop waits on the one before. Tiles are powers of two, so
+  a K of 576 is one chunk of 1024, 44% of it masked, or two unpadded ones read together
+  (``BLOCK_K2``: 512 + 64), which is what the tuned tiles of 16 to 64 rows take for QKV. A
+  larger K goes on in chunks, and then the stream is read again (sum of squares first, then the
+  product);
 * no padding to tensor-core tiles. ``tl.dot`` multiplies 16 rows at least: for one token that is
   15 rows of zeros, and a detour through shared memory. Below 16 rows the product runs on the CUDA
   cores instead (``_mma``): a broadcast multiply and a sum over K, in the registers the loads
