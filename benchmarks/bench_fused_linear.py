@@ -308,10 +308,10 @@ def two_chunks(M: int, K: int, silu: bool) -> list:
     chunks (``BLOCK_K2``: 576 as 512 + 64, 1536 as 1024 + 512), on 4 or 8 warps; from 32 rows
     also 32-row tiles. None for a power-of-two K (one chunk is that) or one above 2048."""
     from paged_attention.kernels.triton import fused_linear as fl
+    from paged_attention.utils import next_power_of_2
     first = 1 << (K.bit_length() - 1)
     if first == K or K > 2048:
         return []
-    from paged_attention.utils import next_power_of_2
     second = max(16, next_power_of_2(K - first))
     rows = [16] + ([32] if M >= 32 else [])
     cols = (16, 32) if silu or K > 1024 else (16, 32, 64)

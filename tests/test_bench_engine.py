@@ -141,14 +141,17 @@ def test_profile_engine_overrides_tiles_and_the_decode_launch(monkeypatch):
     pe = _profile_engine()
     for tile, launch in [("960,576,0,64=16,16", ""), ("960,576,2,64=16,32,64,4,3", ""),
                          ("960,576,0,64=16,8,64,4,3", ""),      # tl.dot rows with 8 columns: unbuildable
+                         ("960,576,0,64=16,32,512,4,1,8", ""),  # a second K chunk below 16
                          ("960,576,0,64=16,32,64,4,3", "64,4"), ("", "48,4,3")]:
         with pytest.raises(ValueError):
             pe.apply_overrides(tile, launch)
         assert fused_linear.TUNED == before
     general = decode.choose_launch
-    lines = pe.apply_overrides("960,576,0,64=16,64,64,8,2; 1536,576,1,256=32,64,64,4,3", "32,2,3")
-    assert len(lines) == 3
+    lines = pe.apply_overrides("960,576,0,64=16,64,64,8,2; 1536,576,1,256=32,64,64,4,3; 576,576,0,16=16,16,512,4,1,64",
+                               "32,2,3")
+    assert len(lines) == 4
     assert fused_linear.default_config(64, 960, 576) == fused_linear.FusedLinearConfig(16, 64, 64, 8, 2)
+    assert fused_linear.default_config(16, 576, 576) == fused_linear.FusedLinearConfig(16, 16, 512, 4, 1, 64)
     assert fused_linear.default_config(200, 1536, 576, True) == fused_linear.FusedLinearConfig(32, 64, 64, 4, 3)
     assert fused_linear.default_config(32, 576, 576) == before[(576, 576, False)][32]      # the others kept
     cuda = SimpleNamespace(type="cuda")
