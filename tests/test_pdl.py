@@ -172,7 +172,7 @@ _COMPILER_CHECKED = pytest.mark.skipif(
 
 
 @_COMPILER_CHECKED
-@pytest.mark.parametrize("kernel", ["fused_linear", "decode"])
+@pytest.mark.parametrize("kernel", ["fused_linear", "fused_linear_two_chunks", "decode"])
 def test_compiled_kernels_wait_before_they_write(ptx_facts, kernel):
     """With PDL: one wait, every global store after it, the launch of the next kernel after it
     too (so at most one kernel runs ahead), loads before it (the weights, or the lengths and
