@@ -268,7 +268,8 @@ def candidates(M: int, N: int, K: int, silu: bool, smoke: bool = False) -> list:
     512 or more; 256 with SwiGLU's two weight tiles) are left out: every one of these compiles
     for sm_90 without a spill (checked with Triton 3.9's compiler, no GPU needed), except the
     one-chunk and the taller tiles, which were only timed (on an H200, where none was the best
-    at 64 rows or more).
+    at 64 rows or more), and the two-chunk ones, only timed too (on an H100, where they won for
+    QKV at 16 to 64 rows and lost for gate-up and down at 64).
     """
     from paged_attention.kernels.triton import fused_linear as fl
     from paged_attention.utils import next_power_of_2
