@@ -35,7 +35,7 @@ def byte_level_alphabet() -> dict[str, int]:
     order: the space, byte 0x20, is the 33rd of them, ``Ġ`` (U+0120)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     alphabet = {chr(b): b for b in printable}
-    shifted = (b for b in range(256) if b not in set(printable))
+    shifted = sorted(set(range(256)) - set(printable))
     alphabet.update({chr(256 + n): b for n, b in enumerate(shifted)})
     return alphabet
 
@@ -138,9 +138,8 @@ class Tokenizer:
         """Each token's bytes, ``(with special tokens, special tokens as b"")``: a token's
         characters mapped back through the byte-level alphabet (a character outside it, in a
         special token, as its own UTF-8)."""
-        alphabet = byte_level_alphabet()
-        every = [bytes(alphabet[c] for c in t) if all(c in alphabet for c in t) else
-                 b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in t) for t in self.tokens]
+        char_bytes = {c: bytes([b]) for c, b in byte_level_alphabet().items()}
+        every = [b"".join([char_bytes[c] if c in char_bytes else c.encode() for c in t]) for t in self.tokens]
         plain = [b"" if i in self.special_token_ids else b for i, b in enumerate(every)]
         return every, plain
 
