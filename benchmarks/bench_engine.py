@@ -12,7 +12,10 @@ One process runs, in order:
    and CUDA-graph decode steps) and transformers' ``generate`` with its dynamic and its static
    cache, on the same random 128-token prompts, each generating exactly ``--max-tokens`` tokens;
    per engine run, the host's time per decode step, its Python time per request and step, and
-   the GPU's idle time between decode steps as a share of the step (CUDA events);
+   the GPU's idle time between decode steps as a share of the step (CUDA events). Each of the
+   three is timed ``--repeats`` times, taking turns (other prompts each round), and each one's
+   median run is reported: a host's slow stretch (these machines have them, lasting seconds)
+   then lands on one round of one side, not on the figure;
 2. nano-vllm's workload: 256 requests, prompt and output lengths random in 100..1024;
 3. the ablation at 256 requests: V0 synchronous, then V1, then async scheduling, then CUDA
    graphs, each adding one thing: tokens/s and where a decode step's time goes;
@@ -57,6 +60,11 @@ def _free(*objs) -> None:
         torch.cuda.empty_cache()
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+
+
 def _pct(x) -> str:
     return "   -" if x is None or x != x else f"{100 * x:4.1f}%"
 
@@ -68,6 +76,8 @@ def main() -> int:
     parser.add_argument("--requests", default="1,16,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of part 1 (engine, dynamic, static in turn); each side's median run is reported")
     parser.add_argument("--core", choices=("v1", "v0"), default="v1", help="the engine's core for parts 1 and 2")
     parser.add_argument("--no-async", action="store_true", help="synchronous scheduling (V0 always is)")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode steps")
@@ -84,6 +94,8 @@ def main() -> int:
                         help="seconds: a section that would start later is skipped (the JSON keeps what ran)")
     parser.add_argument("--smoke", action="store_true", help="a tiny CPU run in fp32 (checks the script)")
     opts = parser.parse_args()
+    if opts.repeats < 1:
+        parser.error("--repeats must be at least 1")
     os.makedirs(opts.out, exist_ok=True)
     log = _Tee(os.path.join(opts.out, "bench_engine.log"))
 
@@ -150,12 +162,22 @@ def main() -> int:
     for n in sizes:
         if not in_time(f"{n} requests"):
             continue
-        prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n)
-        row = {"requests": n, "engine": run_engine(llm, prompts, opts.max_tokens)}
-        if hf is not None:
-            row["hf_dynamic"] = run_transformers(hf, prompts, opts.max_tokens)
-            if not opts.skip_static:
-                row["hf_static"] = run_transformers(hf, prompts, opts.max_tokens, "static")
+        runs: dict[str, list] = {}
+        for r in range(opts.repeats):
+            # Other prompts each round (none a prefix-cache hit of the round before); both
+            # sides get the same ones.
+            prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n + 7919 * r)
+            runs.setdefault("engine", []).append(run_engine(llm, prompts, opts.max_tokens))
+            if hf is not None:
+                runs.setdefault("hf_dynamic", []).append(run_transformers(hf, prompts, opts.max_tokens,
+                                                                          warm_up=r == 0))
+                if not opts.skip_static:
+                    runs.setdefault("hf_static", []).append(run_transformers(hf, prompts, opts.max_tokens, "static",
+                                                                             warm_up=r == 0))
+        row = {"requests": n, "repeats": opts.repeats}
+        for side, done in runs.items():
+            row[side] = median_run(done)
+            row[f"{side}_tokens_per_s"] = [d["tokens_per_s"] for d in done]
         best = max((row[k]["tokens_per_s"] for k in ("hf_dynamic", "hf_static") if k in row), default=float("nan"))
         e = row["engine"]
         row["ratio_to_best_hf"] = e["tokens_per_s"] / best
@@ -166,6 +188,9 @@ def main() -> int:
             f"{e['python_us_per_seq']:>9.1f} {_pct(e.get('gpu_idle_share')):>8} "
             f"{e['cuda_graph_steps']:>3}/{e['decode_steps']:<3} {dynamic:>12.0f} {static:>10.0f} "
             f"{row['ratio_to_best_hf']:>13.1f}x")
+        if opts.repeats > 1:
+            log("         rounds, tok/s: " + "; ".join(
+                f"{side} " + " ".join(f"{t:.0f}" for t in row[f"{side}_tokens_per_s"]) for side in runs))
         save()
     _free(hf)
 

@@ -29,6 +29,12 @@ def test_smoke_run_prints_and_writes_every_figure(tmp_path):
     for row in results["rows"]:
         e = row["engine"]
         assert e["tokens_per_s"] > 0 and row["hf_dynamic"]["tokens_per_s"] > 0
+        # Three rounds of each side, taking turns; each side's median round reported.
+        assert row["repeats"] == 3
+        for side in ("engine", "hf_dynamic"):
+            rounds = row[f"{side}_tokens_per_s"]
+            assert len(rounds) == 3 and row[side]["tokens_per_s"] == sorted(rounds)[1]
+        assert row["ratio_to_best_hf"] == e["tokens_per_s"] / row["hf_dynamic"]["tokens_per_s"]
         assert e["num_tokens"] == row["hf_dynamic"]["num_tokens"] == 4 * row["requests"]
         assert e["core"] == "v1" and e["async_scheduling"] and e["python_us_per_seq"] > 0
     nano = results["nano"]["engine"]
@@ -40,7 +46,7 @@ def test_smoke_run_prints_and_writes_every_figure(tmp_path):
                                                                   ("v1", True)]
     assert results["memory"]["paged"] > results["memory"]["contiguous"]
     log = (tmp_path / "bench_engine.log").read_text()
-    assert "engine tok/s" in log and "nano-vllm workload" in log and "ablation" in log
+    assert "engine tok/s" in log and "nano-vllm workload" in log and "ablation" in log and "rounds, tok/s" in log
     assert "engine tok/s" in done.stdout
 
 

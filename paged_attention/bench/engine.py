@@ -206,9 +206,11 @@ def load_transformers(dtype: torch.dtype, device: torch.device):
 
 
 def run_transformers(model, prompts: list[list[int]], max_tokens: int,
-                     cache_implementation: Optional[str] = None) -> dict[str, Any]:
+                     cache_implementation: Optional[str] = None, warm_up: bool = True) -> dict[str, Any]:
     """Output tokens/s of one batched greedy ``generate`` (``cache_implementation``: None for the
-    dynamic cache, ``"static"``). The prompts have one length, so nothing is padded."""
+    dynamic cache, ``"static"``). The prompts have one length, so nothing is padded. ``warm_up``:
+    one untimed call first (the static cache compiles there); a later round of the same shape
+    can go without."""
     device = model.device
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
@@ -216,7 +218,8 @@ def run_transformers(model, prompts: list[list[int]], max_tokens: int,
     if cache_implementation is not None:
         kwargs["cache_implementation"] = cache_implementation
     with torch.inference_mode():
-        model.generate(ids, **kwargs)                        # warm-up (the static cache compiles here)
+        if warm_up:
+            model.generate(ids, **kwargs)                    # (the static cache compiles here)
         with _no_gc():
             _sync(device)
             start = time.perf_counter()
