@@ -12,7 +12,8 @@ Decoding runs the other way without BPE: each token stands for a fixed string of
 characters mapped back through the byte-to-character table), so the text of a list of ids is
 their bytes joined and read as UTF-8. ``decode`` looks the bytes up in a table made once, which
 is several times faster than a call into ``tokenizers`` (an engine finishing 256 requests of 128
-tokens at once decodes them in about a millisecond instead of a dozen), and gives the same text.
+tokens at once decodes them in 2 to 3 ms instead of 13 to 15, on a 2-core CPU), and gives the
+same text.
 
 The chat template is the Jinja2 template the file carries (``tokenizer.chat_template``), rendered
 as Hugging Face renders it.
