@@ -379,8 +379,7 @@ class ModelRunner:
         try:
             self.tables.set_rows(rows, list(map(_FIRST_GROUP, block_ids)), overwrite=True)
         except BaseException:
-            for req_id in reversed(req_ids):    # the free rows go back in the order they were taken
-                states.remove(req_id)
+            states.remove_many(reversed(req_ids))   # the free rows go back in the order they were taken
             raise
         # Only a request that samples can have a generator (a greedy one's is None, which
         # ``_generators.get`` gives too): the greedy flags just written pick them out at once.

@@ -196,20 +196,13 @@ class FreeKVCacheBlockQueue:
             raise ValueError(f"cannot take {n} blocks: {self.num_free_blocks} are free")
         head = self.fake_free_list_head
         block = head.next_free_block
-        if n == 1:
-            # One block (a block boundary: one per request): the walk below without its loop.
-            taken = [block]
+        taken = []
+        for _ in range(n):
+            # Clearing a taken block's links as the walk leaves it: nothing reads them again.
+            taken.append(block)
             following = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = following
-        else:
-            taken = []
-            for _ in range(n):
-                # Clearing a taken block's links as the walk leaves it: nothing reads them again.
-                taken.append(block)
-                following = block.next_free_block
-                block.prev_free_block = block.next_free_block = None
-                block = following
         # Relink the head to the first block left.
         head.next_free_block = block
         block.prev_free_block = head
