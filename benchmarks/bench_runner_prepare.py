@@ -24,10 +24,7 @@ from paged_attention.bench.engine import make_prompts
 from paged_attention.engine import LLM, SamplingParams
 from paged_attention.model import LlamaConfig, LlamaForCausalLM
 from paged_attention.model.weights import random_weights
-
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+from profile_engine import SMOLLM2_135M     # (this folder's: the shape profile_engine runs)
 
 
 def one_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
