@@ -37,6 +37,9 @@ def facts(ptx: str) -> dict:
     launches = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
     return {"waits": len(waits), "launch_dependents": len(launches),
             "prefetches": sum("prefetch.global.L2" in ln for ln in lines),
+            "prefetches_after_wait": sum("prefetch.global.L2" in ln for ln in lines[first_wait:]),
+            # the kernel parameters it reads (by position among the non-constexpr arguments)
+            "params_read": sorted({int(i) for i in re.findall(r"_param_(\d+)\]", ptx)}),
             "loads_before_wait": sum(i < first_wait for i in loads),
             "stores": len(stores), "stores_after_wait": sum(i > first_wait for i in stores),
             "launch_after_wait": all(i > first_wait for i in launches)}
@@ -50,8 +53,8 @@ def compile_ptx(kernel, types: dict, constants: dict, num_warps: int, num_stages
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def fused_linear(pdl_on: bool, two_chunks: bool = False) -> str:
-    types = {n: "*bf16" for n in ("x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "out_ptr",
+def fused_linear(pdl_on: bool, two_chunks: bool = False, prefetch: int = 0) -> str:
+    types = {n: "*bf16" for n in ("x_ptr", "residual_ptr", "norm_weight_ptr", "weight_ptr", "out_ptr", "prefetch_ptr",
                                  "stream_ptr", "add_ptr")}
     types.update(sum_sq_ptr="*fp32", sums_out_ptr="*fp32", eps="fp32")
     types.update({n: "i32" for n in _fused_linear_kernel.arg_names if n in ("M", "N", "K", "num_sums")
@@ -59,12 +62,22 @@ def fused_linear(pdl_on: bool, two_chunks: bool = False) -> str:
     # The pipelined tile, or K read in two first chunks (512 + 64) on 8 warps, as the tuned QKV tiles.
     tile = dict(BLOCK_K=512, BLOCK_K2=64) if two_chunks else dict(BLOCK_K=64, BLOCK_K2=0)
     constants = dict(HAS_NORM=True, HAS_RESIDUAL=False, SILU_AND_MUL=True, NORM_FROM_SUMS=True, BLOCK_S=16,
-                     ADD_RESIDUAL=False, BLOCK_M=16, BLOCK_N=32, **tile, PDL=pdl_on)
+                     ADD_RESIDUAL=False, BLOCK_M=16, BLOCK_N=32, **tile, PDL=pdl_on, PREFETCH_NUMEL=prefetch)
     return compile_ptx(_fused_linear_kernel, types, constants, *((8, 1) if two_chunks else (4, 3)), pdl_on)
 
 
 def fused_linear_two_chunks(pdl_on: bool) -> str:
     return fused_linear(pdl_on, two_chunks=True)
+
+
+def runtime_arg_index(kernel, name: str) -> int:
+    """``name``'s position among ``kernel``'s arguments that are not constexpr (the PTX parameters)."""
+    return [p.name for p in kernel.params if not p.is_constexpr].index(name)
+
+
+def fused_linear_prefetch(pdl_on: bool) -> str:
+    """The pipelined tile asking the L2 cache for a later projection's weights (SmolLM2's gate-up)."""
+    return fused_linear(pdl_on, prefetch=3072 * 576)
 
 
 def decode(pdl_on: bool) -> str:
@@ -93,7 +106,10 @@ def planted(pdl_on: bool) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps({f"{name}/{'pdl' if on else 'plain'}": facts(fn(on))
-                      for name, fn in (("fused_linear", fused_linear), ("fused_linear_two_chunks", fused_linear_two_chunks),
-                                       ("decode", decode), ("planted", planted))
-                      for on in (True, False)}))
+    report = {f"{name}/{'pdl' if on else 'plain'}": facts(fn(on))
+              for name, fn in (("fused_linear", fused_linear), ("fused_linear_two_chunks", fused_linear_two_chunks),
+                               ("fused_linear_prefetch", fused_linear_prefetch),
+                               ("decode", decode), ("planted", planted))
+              for on in (True, False)}
+    report["fused_linear/prefetch_ptr"] = runtime_arg_index(_fused_linear_kernel, "prefetch_ptr")
+    print(json.dumps(report))

@@ -353,6 +353,30 @@ def _ops():
     return TorchLayerOps(CONFIG, rope, attn), FusedLayerOps(CONFIG, rope, attn)
 
 
+def test_projections_given_weights_to_prefetch_compute_the_same():
+    """``prefetch=`` is a hint: the fused ops (the prefetch compiled in where kernels launch with
+    PDL, left out elsewhere: Triton's interpreter has no prefetch) give bit for bit what they give
+    without it, and the torch ops take it and ignore it. On a GPU with PDL the prefetching launch is
+    another compiled kernel (its own launcher)."""
+    from paged_attention.kernels.triton import pdl
+    torch_ops, fused_ops = _ops()
+    fused_ops.small_batch, fused_ops.prefetch_rows = 64, (1, 64)
+    dtype = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+    x, residual, norm_weight, w = _inputs(16, 48, CONFIG.hidden_size, dtype)
+    later = torch.randn(3 * CONFIG.hidden_size, CONFIG.hidden_size).to(DEV, dtype)
+    stream = ResidualStream(x, residual)
+    want, got = fused_ops.norm_linear(stream, norm_weight, w), fused_ops.norm_linear(stream, norm_weight, w,
+                                                                                     prefetch=later)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    down = torch.randn(CONFIG.hidden_size, 48).to(DEV, dtype)
+    want, got = fused_ops.linear_add(want[0], down, x), fused_ops.linear_add(want[0], down, x, prefetch=later)
+    assert torch.equal(got.hidden, want.hidden) and torch.equal(got.sum_sq, want.sum_sq)
+    numels = {key[-2] for key in fused_ops._linear_launchers}
+    assert numels == ({0, later.numel()} if pdl.enabled(DEV) else {0})
+    plain = torch_ops.norm_linear(stream, norm_weight, w.float() if dtype == torch.float32 else w, prefetch=later)
+    assert plain[0].shape == want.hidden.shape[:1] + (48,)
+
+
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_fused_norm_linear_ops_equal_torch_ones(dtype):
     """Both operations, on tiny-model shapes, on both sides of ``small_batch``, with and without a

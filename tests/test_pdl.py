@@ -172,7 +172,7 @@ _COMPILER_CHECKED = pytest.mark.skipif(
 
 
 @_COMPILER_CHECKED
-@pytest.mark.parametrize("kernel", ["fused_linear", "fused_linear_two_chunks", "decode"])
+@pytest.mark.parametrize("kernel", ["fused_linear", "fused_linear_two_chunks", "fused_linear_prefetch", "decode"])
 def test_compiled_kernels_wait_before_they_write(ptx_facts, kernel):
     """With PDL: one wait, every global store after it, the launch of the next kernel after it
     too (so at most one kernel runs ahead), loads before it (the weights, or the lengths and
@@ -182,6 +182,19 @@ def test_compiled_kernels_wait_before_they_write(ptx_facts, kernel):
     assert on["stores"] > 0 and on["stores_after_wait"] == on["stores"]
     assert on["loads_before_wait"] > 0 and on["prefetches"] > 0
     assert off["waits"] == off["launch_dependents"] == off["prefetches"] == 0
+
+
+@_COMPILER_CHECKED
+def test_a_projection_given_weights_to_prefetch_asks_for_them_before_waiting(ptx_facts):
+    """``PREFETCH_NUMEL``: the region's pointer is read (the same tile without leaves it unread),
+    every prefetch comes before the wait (every store still after it), and none without PDL."""
+    plain, more = ptx_facts["fused_linear/pdl"], ptx_facts["fused_linear_prefetch/pdl"]
+    param = ptx_facts["fused_linear/prefetch_ptr"]
+    assert param in more["params_read"] and param not in plain["params_read"]
+    assert more["waits"] == 1 and more["prefetches"] > 0 and more["prefetches_after_wait"] == 0
+    assert more["stores_after_wait"] == more["stores"]
+    off = ptx_facts["fused_linear_prefetch/plain"]
+    assert off["prefetches"] == 0 and param not in off["params_read"]
 
 
 @_COMPILER_CHECKED

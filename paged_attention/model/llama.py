@@ -182,13 +182,17 @@ class LlamaForCausalLM:
         rope = ops.rope_inputs(positions)                                    # once for all layers
         decode = batch.is_decode_only
         for layer, kv_cache in zip(self.layers, kv_caches):
-            qkv, residual = ops.norm_linear(stream, layer["input_layernorm"], layer["qkv_proj"], decode=decode)
+            # The QKV and o projections ask the L2 cache for the MLP's weights (gate-up, then down)
+            # while they wait for their inputs (FusedLayerOps.prefetch_rows says when).
+            qkv, residual = ops.norm_linear(stream, layer["input_layernorm"], layer["qkv_proj"], decode=decode,
+                                            prefetch=layer["gate_up_proj"])
             if decode:
                 o = ops.decode_attention(qkv, rope, kv_cache, batch)
             else:
                 q = ops.rope_and_cache(qkv, rope, kv_cache, batch.slot_mapping)
                 o = self.attn.mixed(q, kv_cache, batch, split)
-            stream = ops.linear_add(o.reshape(-1, cfg.q_size), layer["o_proj"], residual, decode=decode)
+            stream = ops.linear_add(o.reshape(-1, cfg.q_size), layer["o_proj"], residual, decode=decode,
+                                    prefetch=layer["down_proj"])
             act, residual = ops.norm_linear_silu_mul(stream, layer["post_attention_layernorm"], layer["gate_up_proj"],
                                                      decode=decode)
             stream = ops.linear_add(act, layer["down_proj"], residual, decode=decode)

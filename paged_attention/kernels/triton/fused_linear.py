@@ -126,16 +126,29 @@ def _mma(a, w, acc, BLOCK_M: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32), axis=2)
 
 
+@triton.jit
+def _prefetch_share(ptr, NUMEL: tl.constexpr, pid, num_programs):
+    """``pdl.prefetch`` program ``pid``'s share of ``NUMEL`` contiguous elements at ``ptr``: its
+    64-byte sectors pid * 128 + i, then num_programs * 128 further on, ... (the programs' vectors
+    interleave, so that together they sweep the region from its start)."""
+    STEP: tl.constexpr = 512 // ptr.dtype.element_ty.primitive_bitwidth       # elements a sector
+    SECTORS: tl.constexpr = (NUMEL + STEP - 1) // STEP
+    lane = tl.arange(0, 128)
+    for first in range(pid * 128, SECTORS, num_programs * 128):
+        sector = first + lane
+        _pdl.prefetch(ptr + sector.to(tl.int64) * STEP, sector < SECTORS, ptr)
+
+
 @triton.jit(do_not_specialize=["M"])     # one compiled kernel for every token count
 def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
-                         sum_sq_ptr, add_ptr, sums_out_ptr,
+                         sum_sq_ptr, add_ptr, sums_out_ptr, prefetch_ptr,
                          M, N, K, eps, num_sums,
                          stride_xm, stride_xk, stride_rm, stride_rk, stride_nw, stride_wn, stride_wk,
                          stride_sm, stride_sk, stride_am, stride_an,
                          HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_AND_MUL: tl.constexpr,
                          NORM_FROM_SUMS: tl.constexpr, BLOCK_S: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_K2: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K2: tl.constexpr, PDL: tl.constexpr, PREFETCH_NUMEL: tl.constexpr):
     # Program (column tile, row tile): output columns rn of rows rm. out is [M, N] contiguous;
     # weight row n holds output column n's K coefficients (F.linear's [N, K]); with SwiGLU, weight
     # is [2N, K]: the gate's row n, then the up projection's row N + n. NORM_FROM_SUMS: the rows'
@@ -171,13 +184,18 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
     # Launched with PDL, this kernel may be running before the previous one has finished: the
     # weights are no kernel's output, everything below (the stream, its sums) is. The K chunks
     # after the first are asked of the L2 cache meanwhile, for the loop below to find there (by
-    # the first row tile's programs: the others read the same weights).
+    # the first row tile's programs: the others read the same weights). PREFETCH_NUMEL > 0: the
+    # programs also ask for that many elements at prefetch_ptr (a later kernel's weights), each
+    # program its share.
     if PDL:
         if pid_m == 0:
             _pdl.prefetch_rows(weight_ptr, cols, n_mask, BLOCK_K + BLOCK_K2, K, stride_wn, stride_wk, STEP=32)
             if SILU_AND_MUL:
                 _pdl.prefetch_rows(weight_ptr + N * stride_wn, cols, n_mask, BLOCK_K + BLOCK_K2, K, stride_wn, stride_wk,
                                    STEP=32)
+        if PREFETCH_NUMEL > 0:
+            _prefetch_share(prefetch_ptr, PREFETCH_NUMEL, pid_m * tl.num_programs(0) + pid_n,
+                            tl.num_programs(0) * tl.num_programs(1))
     _pdl.wait(PDL)
     _pdl.launch_dependents(PDL)
     a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
@@ -334,7 +352,7 @@ TUNED: dict[tuple[int, int, bool], dict[int, FusedLinearConfig]] = {
         8: FusedLinearConfig(BLOCK_M=8, BLOCK_N=2, BLOCK_K=2048, num_warps=8, num_stages=1),
         16: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
         32: FusedLinearConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+        64: FusedLinearConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
         128: FusedLinearConfig(BLOCK_M=64, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
     },
 }
@@ -355,7 +373,10 @@ Six entries read all of K before the wait in two unpadded chunks (``BLOCK_K2``, 
 on an H100 (each faster alone, ``bench_fused_linear.py``; then in the engine's decode steps,
 ``profile_engine``, against the table before them, alternating): QKV at 16, 32 and 64 rows,
 gate-up at 16 and 32, o_proj at 32 (GPU time a step -12% at 16 requests, -13% at 32, -7% at 64;
-at 64 rows the same for gate-up, o_proj or down was slower, alone or in the engine).
+at 64 rows the same for gate-up, o_proj or down was slower, alone or in the engine). Then
+down_proj at 64 rows loads four chunks ahead instead of three (in the engine, on an H100, against
+the table before it, alternating: GPU time a step 0.870/0.873 ms against 0.884/0.890; other
+stage counts and tiles for gate-up and down at 64 rows were no faster, or slower).
 ``default_config`` takes the entry of the smallest measured M at or above the token count;
 shapes and token counts not in it get the rule."""
 
@@ -484,7 +505,7 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
         ad = add if add is not None else x
         grid = (triton.cdiv(N, config.BLOCK_N), triton.cdiv(M, config.BLOCK_M))
         _fused_linear_kernel[grid](
-            x, r, nw, weight, out, stream, sq, ad, sums_out if sums_out is not None else out,
+            x, r, nw, weight, out, stream, sq, ad, sums_out if sums_out is not None else out, x,
             M, N, K, float(eps), sum_sq.size(1) if sum_sq is not None else 1,
             x.stride(0), x.stride(1), r.stride(0), r.stride(1), nw.stride(0), weight.stride(0), weight.stride(1),
             sq.stride(0), sq.stride(1), ad.stride(0), ad.stride(1),
@@ -492,7 +513,7 @@ def _launch(x, weight, norm_weight, residual, eps, act, config, M, N, K, sum_sq=
             NORM_FROM_SUMS=sum_sq is not None,
             BLOCK_S=_pieces_block(sum_sq.size(1) if sum_sq is not None else 1), ADD_RESIDUAL=add is not None,
             BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, BLOCK_K2=config.BLOCK_K2,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PREFETCH_NUMEL=0, num_warps=config.num_warps, num_stages=config.num_stages,
             **_pdl.launch_options(pdl_on and _pdl.enabled(x.device)))
     elif sums_out is not None:
         sums_out.zero_()                        # no columns: every row's sum is 0
