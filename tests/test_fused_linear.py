@@ -368,13 +368,13 @@ def test_projections_given_weights_to_prefetch_compute_the_same():
     want, got = fused_ops.norm_linear(stream, norm_weight, w), fused_ops.norm_linear(stream, norm_weight, w,
                                                                                      prefetch=later)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(torch_ops.norm_linear(stream, norm_weight, w, prefetch=later)[0], want[0], **tol)
     down = torch.randn(CONFIG.hidden_size, 48).to(DEV, dtype)
     want, got = fused_ops.linear_add(want[0], down, x), fused_ops.linear_add(want[0], down, x, prefetch=later)
     assert torch.equal(got.hidden, want.hidden) and torch.equal(got.sum_sq, want.sum_sq)
     numels = {key[-2] for key in fused_ops._linear_launchers}
     assert numels == ({0, later.numel()} if pdl.enabled(DEV) else {0})
-    plain = torch_ops.norm_linear(stream, norm_weight, w.float() if dtype == torch.float32 else w, prefetch=later)
-    assert plain[0].shape == want.hidden.shape[:1] + (48,)
 
 
 @pytest.mark.parametrize("dtype", dtype_params())

@@ -200,7 +200,7 @@ class FusedLayerOps:
     """The token rows, both ends included, at which projections prefetch the weights they are
     given. Measured in the engine's decode steps (``profile_engine``, SmolLM2 shape, on an H100,
     alternating with and without): GPU time a step -6 % at 16 requests, -3 % at 32; at 1, 4, 8 and
-    64 within 1 % either way (at 64 the MLP's pipelined tiles are not waiting on memory)."""
+    64 within 1 % either way."""
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -361,7 +361,8 @@ class FusedLayerOps:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One ``fused_linear`` launch: ``(out, stream, sum_sq pieces of out)``. A norm in front
         (``norm_weight``; from ``sum_sq`` when given, else from a pass over ``x + residual``),
-        SwiGLU (``silu``) or the residual add (``add``) behind."""
+        SwiGLU (``silu``) or the residual add (``add``) behind; ``prefetch``, a contiguous tensor
+        (``_prefetch``'s), asked of the L2 cache before the kernel waits."""
         fl = self._fused_linear
         M, K = x.shape
         N = weight.size(0) // 2 if silu else weight.size(0)
