@@ -20,6 +20,8 @@ a step, where the kernels before and after it share the GPU and the caches (and 
 ``M`` rows of the projection ``(N, K, silu_and_mul)`` (SILU 0 or 1), and ``--decode-launch
 TILE_N,WARPS,STAGES`` gives every decode-attention launch that shape, for this run only: run it
 with and without, alternating, on one warm machine, and compare the GPU busy time a step.
+``--leave-out gate_up,down,...`` (timing only) runs the decode steps without those parts'
+launches: what a part costs inside a step, where PDL overlaps each kernel with its neighbours.
 """
 import argparse
 import cProfile
@@ -77,6 +79,57 @@ def apply_overrides(tile: str, decode_launch: str) -> list[str]:
         decode.choose_launch = forced           # DecodePlan reads the module's function
         lines.append(f"decode launch {launch} on the GPU")
     return lines
+
+
+LEAVE_OUT = ("qkv", "o_proj", "gate_up", "down", "attention", "head")
+
+
+def leave_out_names(parts: str) -> list[str]:
+    """The parts of ``--leave-out`` (comma-separated); an unknown one is a ``ValueError``."""
+    names = [p.strip() for p in parts.split(",") if p.strip()]
+    unknown = sorted(set(names) - set(LEAVE_OUT))
+    if unknown:
+        raise ValueError(f"--leave-out takes parts of {', '.join(LEAVE_OUT)}; got {', '.join(unknown)}")
+    return names
+
+
+def leave_out(parts: str, model: LlamaForCausalLM) -> list[str]:
+    """``--leave-out``: from now on, decode steps skip the launches of these parts, for timing only
+    (what the rest of the step costs without them; the outputs are garbage). The projections are
+    skipped where the fused ops take them (decode steps of up to ``small_batch`` requests; their
+    outputs are left unwritten, and the kernels after them read that), the attention kernel in
+    every ``DecodePlan`` of the process, the head (output projection and argmax) in the model's
+    ``greedy_tokens``. Returns a line per part; an unknown part is a ``ValueError`` before
+    anything changes."""
+    from paged_attention.kernels.triton import decode, fused_linear
+
+    names = leave_out_names(parts)
+    cfg, ops = model.config, model.ops
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
+              "o_proj": (cfg.hidden_size, cfg.q_size, False),
+              "gate_up": (cfg.intermediate_size, cfg.hidden_size, True),
+              "down": (cfg.hidden_size, cfg.intermediate_size, False)}
+    skipped = {shapes[n] for n in names if n in shapes}
+    if skipped and hasattr(ops, "_fused"):
+        fused = ops._fused
+
+        def without(x, weight, residual=None, norm_weight=None, sum_sq=None, *, silu=False, add=None, prefetch=None):
+            M, K = x.shape
+            N = weight.size(0) // 2 if silu else weight.size(0)
+            if (N, K, silu) not in skipped:
+                return fused(x, weight, residual, norm_weight, sum_sq, silu=silu, add=add, prefetch=prefetch)
+            # What the launch would return, unwritten: the next kernel reads shapes it expects.
+            config = ops.linear_config or fused_linear.default_config
+            config = config if isinstance(config, fused_linear.FusedLinearConfig) else config(M, N, K, silu)
+            sums = None if add is None else torch.empty(M, -(-N // config.BLOCK_N), dtype=torch.float32,
+                                                        device=x.device)
+            return x.new_empty(M, N), x if residual is None else x.new_empty(M, K), sums
+        ops._fused = without
+    if "attention" in names:
+        decode.DecodePlan._launch = lambda self, *args, **kwargs: None
+    if "head" in names:
+        model.greedy_tokens = lambda hidden: torch.zeros(hidden.size(0), dtype=torch.long, device=hidden.device)
+    return [f"left out of decode steps, for timing only: {n}" for n in names]
 
 
 def kernel_table(llm: LLM, n: int, prompt_len: int) -> str:
@@ -194,8 +247,11 @@ def main() -> int:
     parser.add_argument("--llm", default="", help="extra LLM keyword arguments, k=v,k=v (ints and bools)")
     parser.add_argument("--tile", default="", help="fused_linear.TUNED overrides: 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES[,BK2];...'")
     parser.add_argument("--decode-launch", default="", help="every decode launch's TILE_N,WARPS,STAGES")
+    parser.add_argument("--leave-out", default="", help=f"timing only: decode steps without these launches, "
+                        f"some of {','.join(LEAVE_OUT)}")
     opts = parser.parse_args()
     overrides = apply_overrides(opts.tile, opts.decode_launch)
+    leave_out_names(opts.leave_out)                     # refused before the model is built
     if not torch.cuda.is_available():
         print("this profile needs an NVIDIA GPU")
         return 1
@@ -208,6 +264,7 @@ def main() -> int:
     model = LlamaForCausalLM(config, random_weights(config), dtype=torch.bfloat16, device="cuda")
     if opts.small_batch is not None:
         model.ops.small_batch = opts.small_batch
+    overrides += leave_out(opts.leave_out, model)
     llm = LLM(model, max_num_seqs=max(sizes), kv_cache_memory=8 << 30, record_block_owners=False,
               record_gpu_time=True, **extra)
     lines = [f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, SmolLM2-135M shape, random weights, "

@@ -164,3 +164,41 @@ def test_profile_engine_overrides_tiles_and_the_decode_launch(monkeypatch):
     assert decode.choose_launch(cuda, 192, 1, 768) == (32, 2, 3)
     cpu = torch.device("cpu")
     assert decode.choose_launch(cpu, 192) == general(cpu, 192)
+
+
+def test_profile_engine_leaves_parts_out_for_timing(monkeypatch):
+    """``--leave-out``: an unknown part changes nothing; the parts named skip their launches (a
+    projection's launcher is never made, the head gives zeros, a decode plan writes nothing) and
+    the others still compute."""
+    from paged_attention.kernels import workloads
+    from paged_attention.kernels.triton import decode
+    from paged_attention.model import LlamaForCausalLM, random_weights
+    from paged_attention.model.layer_ops import ResidualStream
+
+    monkeypatch.setattr(decode.DecodePlan, "_launch", decode.DecodePlan._launch)    # restored after
+    pe = _profile_engine()
+    config = LlamaConfig.tiny()
+    model = LlamaForCausalLM(config, random_weights(config, seed=3), attention="reference", fused=True)
+    model.ops.small_batch = 8
+    with pytest.raises(ValueError, match="attn"):
+        pe.leave_out("qkv,attn", model)
+    assert "_fused" not in vars(model.ops) and "greedy_tokens" not in vars(model)
+    assert pe.leave_out("down, head,attention", model) == [
+        f"left out of decode steps, for timing only: {n}" for n in ("down", "head", "attention")]
+    g = torch.Generator().manual_seed(0)
+    layer = model.layers[0]
+    act = torch.randn(3, config.intermediate_size, generator=g)
+    residual = torch.randn(3, config.hidden_size, generator=g)
+    stream = model.ops.linear_add(act, layer["down_proj"], residual)
+    assert stream.hidden.shape == (3, config.hidden_size) and stream.sum_sq.size(0) == 3
+    qkv, _ = model.ops.norm_linear(ResidualStream(residual), layer["input_layernorm"], layer["qkv_proj"])
+    widths = {launcher.fixed["K"] for launcher in model.ops._linear_launchers.values()}
+    assert widths == {config.hidden_size}                  # QKV's launcher made; down's never
+    want = model.__class__(config, random_weights(config, seed=3), attention="reference").ops.norm_linear(
+        ResidualStream(residual), layer["input_layernorm"], layer["qkv_proj"])[0]
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.greedy_tokens(torch.randn(4, config.hidden_size)), torch.zeros(4, dtype=torch.long))
+    p = workloads.make_decode_problem([5, 9], num_heads=4, num_kv_heads=2, head_size=16, block_size=8)
+    out = torch.full_like(p.query, 7.0)
+    decode.paged_attention_decode(out, *p.decode_args())
+    assert (out == 7.0).all()
