@@ -336,12 +336,11 @@ class FusedLayerOps:
         return ResidualStream(out, None, sum_sq)
 
     def _prefetch(self, rows: int, weight: torch.Tensor | None) -> torch.Tensor | None:
-        """``weight`` where a projection of ``rows`` rows is to ask the L2 cache for it: a
-        contiguous tensor, ``prefetch_rows`` rows, and kernels launched with PDL (the prefetch is
-        issued while a kernel waits; Triton's interpreter has no prefetch). Else None."""
+        """``weight`` where a projection of ``rows`` rows is to ask the L2 cache for it (a
+        contiguous tensor, ``prefetch_rows`` rows), else None. ``_fused`` drops it where kernels
+        launch without PDL."""
         low, high = self.prefetch_rows
-        if weight is None or not low <= rows <= high or not weight.is_contiguous() \
-                or not self._pdl.enabled(weight.device):
+        if weight is None or not low <= rows <= high or not weight.is_contiguous():
             return None
         return weight
 
@@ -385,7 +384,8 @@ class FusedLayerOps:
                                     sum_sq=sum_sq), None)
         pieces = 0 if sum_sq is None else sum_sq.size(1)
         pdl_on = self._pdl.enabled(x.device)
-        prefetch_numel = 0 if prefetch is None else prefetch.numel()
+        # The prefetch is issued while a kernel waits: only under PDL (Triton's interpreter has none).
+        prefetch_numel = prefetch.numel() if prefetch is not None and pdl_on else 0
         key = (has_norm, residual is not None, silu, pieces, add is not None, pdl_on, N, K, prefetch_numel, config)
         launch = self._linear_launchers.get(key)
         if launch is None:
@@ -410,7 +410,7 @@ class FusedLayerOps:
             launch((col_tiles, -(-M // config.BLOCK_M)), x, x if residual is None else residual,
                    norm_weight if has_norm else x, weight, out, stream, out if sum_sq is None else sum_sq,
                    x if add is None else add, out if sums_out is None else sums_out,
-                   x if prefetch is None else prefetch, M)
+                   prefetch if prefetch_numel else x, M)
         return out, stream, sums_out
 
 

@@ -126,19 +126,6 @@ def _mma(a, w, acc, BLOCK_M: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32), axis=2)
 
 
-@triton.jit
-def _prefetch_share(ptr, NUMEL: tl.constexpr, pid, num_programs):
-    """``pdl.prefetch`` program ``pid``'s share of ``NUMEL`` contiguous elements at ``ptr``: its
-    64-byte sectors pid * 128 + i, then num_programs * 128 further on, ... (the programs' vectors
-    interleave, so that together they sweep the region from its start)."""
-    STEP: tl.constexpr = 512 // ptr.dtype.element_ty.primitive_bitwidth       # elements a sector
-    SECTORS: tl.constexpr = (NUMEL + STEP - 1) // STEP
-    lane = tl.arange(0, 128)
-    for first in range(pid * 128, SECTORS, num_programs * 128):
-        sector = first + lane
-        _pdl.prefetch(ptr + sector.to(tl.int64) * STEP, sector < SECTORS, ptr)
-
-
 @triton.jit(do_not_specialize=["M"])     # one compiled kernel for every token count
 def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
                          sum_sq_ptr, add_ptr, sums_out_ptr, prefetch_ptr,
@@ -194,8 +181,8 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
                 _pdl.prefetch_rows(weight_ptr + N * stride_wn, cols, n_mask, BLOCK_K + BLOCK_K2, K, stride_wn, stride_wk,
                                    STEP=32)
         if PREFETCH_NUMEL > 0:
-            _prefetch_share(prefetch_ptr, PREFETCH_NUMEL, pid_m * tl.num_programs(0) + pid_n,
-                            tl.num_programs(0) * tl.num_programs(1))
+            _pdl.prefetch_share(prefetch_ptr, PREFETCH_NUMEL, pid_m * tl.num_programs(0) + pid_n,
+                                tl.num_programs(0) * tl.num_programs(1))
     _pdl.wait(PDL)
     _pdl.launch_dependents(PDL)
     a = _load_stream(x_ptr, residual_ptr, rows, m_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,

@@ -123,4 +123,19 @@ def prefetch_rows(ptr, rows, row_mask, start, length, stride_row, stride_col, ST
                  row_mask[:, None] & (cols < length)[None, :], ptr)
 
 
-__all__ = ["enabled", "set_enabled", "disabled", "launch_options", "wait", "launch_dependents", "prefetch", "prefetch_rows"]
+@triton.jit
+def prefetch_share(ptr, NUMEL: tl.constexpr, pid, num_programs):
+    """``prefetch`` program ``pid``'s share of ``NUMEL`` contiguous elements at ``ptr`` (a later
+    kernel's weights), the ``num_programs`` programs of a launch together covering them: its
+    64-byte sectors pid * 128 + i, then num_programs * 128 further on, ... (the programs' vectors
+    interleave, so that together they sweep the region from its start)."""
+    STEP: tl.constexpr = 512 // ptr.dtype.element_ty.primitive_bitwidth       # elements a sector
+    SECTORS: tl.constexpr = (NUMEL + STEP - 1) // STEP
+    lane = tl.arange(0, 128)
+    for first in range(pid * 128, SECTORS, num_programs * 128):
+        sector = first + lane
+        prefetch(ptr + sector.to(tl.int64) * STEP, sector < SECTORS, ptr)
+
+
+__all__ = ["enabled", "set_enabled", "disabled", "launch_options", "wait", "launch_dependents", "prefetch", "prefetch_rows",
+           "prefetch_share"]
