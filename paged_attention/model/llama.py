@@ -209,7 +209,7 @@ class LlamaForCausalLM:
         """The most likely next token of each final hidden state (int64): the argmax of
         ``compute_logits`` without its float32 copy (the cast is exact, so the order, ties
         included, is the same)."""
-        return F.linear(hidden, self.lm_head).argmax(dim=-1)
+        return self.ops.argmax(F.linear(hidden, self.lm_head))
 
     __call__ = forward
 
