@@ -354,8 +354,10 @@ class FusedLayerOps:
         return self._add_norm_any_strides(stream, weight)[0]
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        # One program reads a row whole (kernels/triton/argmax.py): on an H100 decode step of 64
-        # requests, 14 us less GPU time than torch's reduction (measured by leaving it out).
+        # Many programs read each row at once, then their winners are compared
+        # (kernels/triton/argmax.py). In an H100's decode steps, against torch's reduction (three
+        # rounds alternating, medians): GPU time a step 12 us less at 1 request, 21 at 16, 11 at
+        # 64, 44 at 256.
         return self._argmax(logits)
 
     def _add_norm_any_strides(self, stream: ResidualStream, norm_weight: torch.Tensor
