@@ -95,6 +95,16 @@ def test_bad_input_gets_typed_errors():
         argmax(torch.zeros(2, 0, device=DEV))
 
 
+def test_rows_past_the_grid_are_refused_before_the_launch(monkeypatch):
+    """More parts than a grid's second dimension holds: a ValueError, no launch (the kernel
+    would otherwise be launched with a grid CUDA rejects, or, interpreted, read every part)."""
+    monkeypatch.setattr(argmax_mod, "CHUNK", 2)
+    monkeypatch.setattr(argmax_mod, "MAX_PARTS", 8)
+    assert argmax(torch.arange(16.0, device=DEV)[None]).tolist() == [15]
+    with pytest.raises(ValueError, match="columns"):
+        argmax(torch.zeros(1, 17, device=DEV))
+
+
 def test_models_greedy_tokens_take_the_ops_argmax():
     """The fused model's greedy tokens are the argmax of its logits, through the kernel (a model
     that kept torch's would pass the comparison but not the count)."""

@@ -28,6 +28,9 @@ CHUNK = 4096
 """The columns one program reads (a power of two): SmolLM2's row is 12 parts, so 64 rows are 768
 programs, all on the GPU at once."""
 
+MAX_PARTS = 65535
+"""The most parts a row may have (a CUDA grid's second dimension)."""
+
 
 @triton.jit
 def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, V, stride_m, stride_v, CHUNK: tl.constexpr, PDL: tl.constexpr):
@@ -76,18 +79,19 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     M, V = logits.shape
     if V == 0:
         raise ValueError("logits must have at least one column: an empty row has no argmax")
-    if V >= 2**31 - 1:
-        raise ValueError(f"logits must have fewer than 2^31 - 1 columns, got {V}")
     if logits.device.type != "cuda":
         from paged_attention import runtime
         if not runtime.TRITON_INTERPRET:
             raise ValueError(f"logits are on {logits.device.type}, but Triton compiles for the GPU here: move them to cuda")
     check_triton_dtype(logits)
+    # Tiles of at least 2 (Triton's interpreter cannot reduce a tile of one). A grid's second
+    # dimension holds at most 65,535 parts: 268 million columns of 4,096.
+    chunk = max(2, min(CHUNK, triton.next_power_of_2(V)))
+    parts = triton.cdiv(V, chunk)
+    if parts > MAX_PARTS:
+        raise ValueError(f"logits have {V} columns: at most {MAX_PARTS * chunk} fit the kernel's grid")
     out = torch.empty(M, dtype=torch.int64, device=logits.device)
     if M:
-        # Tiles of at least 2 (Triton's interpreter cannot reduce a tile of one).
-        chunk = max(2, min(CHUNK, triton.next_power_of_2(V)))
-        parts = triton.cdiv(V, chunk)
         val = torch.empty(M, parts, dtype=torch.float32, device=logits.device)
         idx = torch.empty(M, parts, dtype=torch.int32, device=logits.device)
         pdl_on = _pdl.enabled(logits.device)
@@ -98,4 +102,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["argmax", "CHUNK"]
+__all__ = ["argmax", "CHUNK", "MAX_PARTS"]
