@@ -22,7 +22,7 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton import pdl as _pdl
-from paged_attention.kernels.triton.common import check_triton_dtype
+from paged_attention.kernels.triton.common import check_triton_runs
 
 CHUNK = 4096
 """The columns one program reads (a power of two): SmolLM2's row is 12 parts, so 64 rows are 768
@@ -79,11 +79,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     M, V = logits.shape
     if V == 0:
         raise ValueError("logits must have at least one column: an empty row has no argmax")
-    if logits.device.type != "cuda":
-        from paged_attention import runtime
-        if not runtime.TRITON_INTERPRET:
-            raise ValueError(f"logits are on {logits.device.type}, but Triton compiles for the GPU here: move them to cuda")
-    check_triton_dtype(logits)
+    check_triton_runs("logits are", logits)
     # Tiles of at least 2 (Triton's interpreter cannot reduce a tile of one). A grid's second
     # dimension holds at most 65,535 parts: 268 million columns of 4,096.
     chunk = max(2, min(CHUNK, triton.next_power_of_2(V)))

@@ -1,6 +1,7 @@
 """What the Triton attention kernels share: finding and reading keys and values through a block
 table (``kv_position``, ``load_kv_tile``), the base-2 scale (``LOG2E``), the reach of a strided
-cache (``span``) and the one dtype the interpreter cannot run (``check_triton_dtype``). The decode
+cache (``span``) and what Triton cannot run here (``check_triton_runs``: a CPU tensor without the
+interpreter, and the one dtype the interpreter cannot run, ``check_triton_dtype``). The decode
 and the prefill kernels both import these; neither imports the other.
 """
 from __future__ import annotations
@@ -49,6 +50,16 @@ def span(t: torch.Tensor) -> int:
     """One past the largest element offset a tensor view reaches from its first element (a cache
     that reaches 2^31 or more needs 64-bit offsets)."""
     return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def check_triton_runs(what: str, t: torch.Tensor) -> None:
+    """ValueError unless Triton can run on ``t``'s device (a GPU, or any device under the
+    interpreter; ``what`` names the tensors in the message), then ``check_triton_dtype``."""
+    if t.device.type != "cuda":
+        from paged_attention import runtime
+        if not runtime.TRITON_INTERPRET:
+            raise ValueError(f"{what} on {t.device.type}, but Triton compiles for the GPU here: move them to cuda")
+    check_triton_dtype(t)
 
 
 def check_triton_dtype(t: torch.Tensor) -> None:

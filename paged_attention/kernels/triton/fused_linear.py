@@ -67,7 +67,7 @@ import triton.language as tl
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton import pdl as _pdl
-from paged_attention.kernels.triton.common import check_triton_dtype
+from paged_attention.kernels.triton.common import check_triton_runs
 from paged_attention.utils import next_power_of_2
 
 
@@ -435,7 +435,7 @@ def _check(x: object, weight: object, norm_weight: object, residual: object, act
         tensors["norm_weight"] = norm_weight
     if residual is not None:
         tensors["residual"] = residual
-    device = args.same_device(**tensors)
+    args.same_device(**tensors)
     args.tensor("x", x, ndim=2, dtypes=args.FLOAT_DTYPES)
     args.tensor("weight", weight, ndim=2)
     M, K = x.shape
@@ -453,11 +453,7 @@ def _check(x: object, weight: object, norm_weight: object, residual: object, act
         args.shape("norm_weight", norm_weight, (K,))
     if residual is not None:
         args.shape("residual", residual, (M, K))
-    if device.type != "cuda":
-        from paged_attention import runtime
-        if not runtime.TRITON_INTERPRET:
-            raise ValueError(f"the tensors are on {device.type}, but Triton compiles for the GPU here: move them to cuda")
-    check_triton_dtype(x)
+    check_triton_runs("the tensors are", x)
     N = weight.size(0) // 2 if act == "silu_and_mul" else weight.size(0)
     return M, N, K
 
