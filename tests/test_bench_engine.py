@@ -166,6 +166,38 @@ def test_profile_engine_overrides_tiles_and_the_decode_launch(monkeypatch):
     assert decode.choose_launch(cpu, 192) == general(cpu, 192)
 
 
+def test_profile_engine_critical_path_splits_decode_steps_into_increments():
+    """``--chain``'s arithmetic on a made-up trace: steps cut after each ``argmax_reduce``, the
+    prefill, a step of another kernel count and the unfinished tail dropped, the kernels after
+    the attention named by position, each kernel's increment its end minus its predecessor's (not
+    its own duration: the kernels start early), the increments summing to the step."""
+    pe = _profile_engine()
+    # A decode step: (name, increment, lead), a kernel starting `lead` before its predecessor ends.
+    # (A kernel starts after its predecessor has: the profile's start order is the launch order.)
+    layer = [("paged_decode", 10.0, 1.5), ("fl", 3.0, 8.0), ("fl", 5.0, 3.0), ("fl", 4.0, 5.0)]
+    step = [("fl", 3.0, 0.5), *layer, ("fl", 3.5, 4.0), *layer, ("head", 20.0, 0.0), ("argmax_reduce", 1.0, 1.0)]
+    mixed = [("gemm", 30.0, 0.0), ("argmax_reduce", 1.0, 0.0)]
+    events, t = [], 0.0
+    for kernels in [mixed, step, step, mixed, step, step, [("fl", 2.0, 0.0)]]:
+        for name, inc, lead in kernels:
+            events.append((name, t - lead, t + inc))
+            t += inc
+    events.reverse()                                # any order
+    rows = pe.critical_path(events, "argmax_reduce", "paged_decode", ("o_proj", "gate_up"))
+    assert [r[0] for r in rows] == ["fl", "paged_decode", "o_proj", "gate_up", "fl +3", "fl +4", "head",
+                                    "argmax_reduce"]
+    by = {r[0]: r[1:] for r in rows}
+    assert by["fl"] == (1.0, 3.0, 3.0, 3.5, 0.5)
+    assert by["paged_decode"] == (2.0, 10.0, 20.0, 11.5, 1.5)
+    assert by["o_proj"] == (2.0, 3.0, 6.0, 11.0, 8.0)
+    assert by["fl +4"] == (1.0, 3.5, 3.5, 7.5, 4.0)
+    assert by["head"] == (1.0, 20.0, 20.0, 20.0, 0.0)         # after the last layer: its own name
+    assert sum(r[3] for r in rows) == sum(inc for _, inc, _ in step)       # a step's span
+    assert pe.critical_path([("argmax_reduce", 0.0, 1.0)], "argmax_reduce", "paged_decode") == []
+    # A layer's kernels after the anchor, without names: 'name +i'.
+    assert [r[0] for r in pe.critical_path(events, "argmax_reduce", "paged_decode")][2:4] == ["fl +1", "fl +2"]
+
+
 def test_profile_engine_leaves_parts_out_for_timing(monkeypatch):
     """``--leave-out``: an unknown part changes nothing; the parts named skip their launches (a
     projection's launcher is never made, the head gives zeros, a decode plan writes nothing) and
