@@ -29,10 +29,12 @@ how much later it ends than the kernel launched before it (``critical_path``). T
 add up to the step; a kernel launched early (PDL) that ends soon after its predecessor costs
 little, whatever its own duration. The two views disagree, and both are worth reading: at 64
 requests on an H100 the attention kernel ended 10.4 us after the QKV projection, the largest
-share of a layer's 27 (o_proj 4.1, gate-up 5.3, down 4.0, QKV 3.3), while leaving it out saved
-nothing measurable; and with the whole context in one tile (``--decode-launch 256,8,1``) its
-share fell to 7.9 us and the down projection's, two kernels on, rose from 4.0 to 7.3, the step
-no shorter. Time a step's kernels save is not always time the step saves.
+share of a layer's 26 (gate-up 5.7, down 4.0, QKV 3.1, o_proj 3.1;
+``benchmarks/results/profile_engine_chain_h100.log``), while leaving it out saved nothing
+measurable; and in another run, with the whole context in one tile (``--decode-launch
+256,8,1``), its share fell to 7.9 us and the down projection's, two kernels on, rose from 4.0 to
+7.3, the step no shorter. Time a step's kernels save is not always time the step saves. The
+chain needs greedy decode steps (they end with the argmax kernel).
 """
 import argparse
 import cProfile
