@@ -41,6 +41,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 
 import torch
@@ -194,10 +195,7 @@ def critical_path(kernels: list[tuple[str, float, float]], step_end: str, anchor
             r[1].append(end - start)
             r[2].append(prev[2] - start)
     steps = max(1, len(spans))
-
-    def median(v: list[float]) -> float:
-        v = sorted(v)
-        return v[len(v) // 2]
+    median = statistics.median_high
     return [(label, len(inc) / steps, median(inc), sum(inc) / steps, median(dur), median(lead))
             for label, (inc, dur, lead) in rows.items()]
 
