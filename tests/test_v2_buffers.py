@@ -98,6 +98,42 @@ def test_pool_rejects_a_device_tensor():
 
 # ---- UvaBackedTensor -----------------------------------------------------------------------------
 
+def test_kernel_copy_moves_host_memory_both_ways(monkeypatch):
+    """``kernel_copy`` between a UVA view and device memory, both ways, over several programs
+    (a block of 4 here: a copy that dropped the last, partial block, or wrote past the end, fails)."""
+    monkeypatch.setattr(buffers, "KERNEL_COPY_BLOCK", 4)
+    monkeypatch.setattr(buffers, "_kernel_copy_launcher", None)
+    up = UvaBuffer(11, torch.int32)
+    up.np[:] = np.arange(11) * 3 - 7
+    dst = torch.full((12,), -1, dtype=torch.int32, device=DEV)
+    assert buffers.kernel_copy(dst[:10], up.uva[:10]) is not None
+    assert host(dst).tolist() == (np.arange(10) * 3 - 7).tolist() + [-1, -1]
+    down = UvaBuffer(9, torch.int64)
+    src = torch.arange(9, dtype=torch.int64, device=DEV) * 1000003
+    buffers.kernel_copy(down.uva, src)
+    if runtime.HAS_CUDA:
+        torch.cuda.synchronize()
+    assert down.np.tolist() == [i * 1000003 for i in range(9)]        # read on the host, no copy back
+    buffers.kernel_copy(down.uva[:0], src[:0])                         # nothing to copy: no launch
+
+
+def test_kernel_copy_refuses_what_it_cannot_copy_flat():
+    a = torch.zeros(6, dtype=torch.int32, device=DEV)
+    before = host(a).tolist()
+    with pytest.raises(TypeError):
+        buffers.kernel_copy(a, a.to(torch.int64))
+    with pytest.raises(TypeError):
+        buffers.kernel_copy(a, [1, 2, 3])
+    with pytest.raises(ValueError, match="shape"):
+        buffers.kernel_copy(a, torch.ones(5, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="contiguous"):
+        buffers.kernel_copy(a[::2], torch.ones(3, dtype=torch.int32, device=DEV))
+    if runtime.HAS_CUDA:
+        with pytest.raises(ValueError, match="one device"):
+            buffers.kernel_copy(a, torch.ones(6, dtype=torch.int32))
+    assert host(a).tolist() == before
+
+
 def test_uva_backed_tensor_publishes_only_on_copy():
     t = UvaBackedTensor((2, 4), torch.int32)
     assert t.gpu.shape == (2, 4) and not host(t.gpu).any()

@@ -9,20 +9,22 @@ vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred
 2. **Prepare.** The host works out, in numpy, the batch's request-state rows (``idx_mapping``),
    ``query_start_loc``, every token's position and sequence length, and the token ids it knows
    (prompt tokens; ``-1`` for a token sampled in an earlier step), packs them into one pinned
-   buffer, and ships it with **one** copy. On the device the tables gather the batch's rows and
-   compute the slots, and each ``-1`` is replaced by the request's last sampled token, which
-   never left the device: the host need not have seen it, so the next step can be prepared
-   while this one runs (async scheduling, ``engine/llm_engine.py``).
+   buffer, and ships it with **one** copy (a kernel that reads the buffer through UVA). On the
+   device the tables gather the batch's rows and compute the slots, and each ``-1`` is replaced
+   by the request's last sampled token, which never left the device: the host need not have
+   seen it, so the next step can be prepared while this one runs (async scheduling,
+   ``engine/llm_engine.py``).
 3. **Execute.** A step replays a CUDA graph captured for its shape padded up
    (``engine/cuda_graphs.py``): a decode batch padded with rows that read one key and write
    nothing, a batch with prefills with requests that bring no token and tokens that belong to
    none. A shape with no graph (too large, or past the cap on graphs of prefill shapes) runs
    eagerly.
 4. **Sample** one token per request on the device, store it as the request's last sampled token
-   (the next step's input), and copy the tokens to pinned host memory behind a CUDA event. The
-   caller reads them (``get_output``) when it needs them: to check stops and detokenize. A
-   greedy decode batch samples inside its graph (the output projection, the argmax and the
-   store are captured with the model): the host launches one replay and one copy a step.
+   (the next step's input), and copy the tokens to pinned host memory behind a CUDA event (a
+   kernel that writes them there through UVA). The caller reads them (``get_output``) when it
+   needs them: to check stops and detokenize. A greedy decode batch samples inside its graph
+   (the output projection, the argmax and the store are captured with the model): the host
+   launches one replay and one copy a step.
 
 Without CUDA the same code runs on the CPU (no graphs, no events, copies are plain copies).
 """
@@ -44,6 +46,7 @@ from paged_attention.model import ForwardBatch, LlamaForCausalLM
 from paged_attention.utils import PAD_SLOT_ID, next_power_of_2
 from paged_attention.v1.core.sched.messages import ModelRunnerOutput
 from paged_attention.v1.core.sched.output import SchedulerOutput
+from paged_attention.v2.buffers import UvaBuffer, kernel_copy
 
 
 _NEW_FIELDS = operator.attrgetter("req_id", "prefill_token_ids", "prompt_token_ids", "num_computed_tokens",
@@ -173,13 +176,16 @@ class InputBuffers:
     """One step's integers, packed: ``[idx_mapping (B) | query_start_loc (B + 1) | seq_lens (B) |
     positions (T) | token ids (T) | token rows (T)]`` for a batch of ``B`` requests and ``T``
     tokens. The host fills a pinned buffer (two, used in turn: the copy of step n may still be
-    queued while step n + 1 is packed) and one copy moves it; the device views of a decode
-    bucket's layout never move, so a CUDA graph reads them."""
+    queued while step n + 1 is packed) and one copy moves it: a kernel that reads the pinned
+    buffer through UVA (``v2.buffers.kernel_copy``), so that no copy engine stands between the
+    step's kernels. The device views of a decode bucket's layout never move, so a CUDA graph
+    reads them."""
 
     def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device) -> None:
         size = 3 * max_num_reqs + 1 + 3 * max_num_tokens
         cuda = device.type == "cuda"
-        self.host = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2 if cuda else 1)]
+        self._uva = [UvaBuffer(size, torch.int32) for _ in range(2)] if cuda else None
+        self.host = [b.cpu for b in self._uva] if cuda else [torch.zeros(size, dtype=torch.int32)]
         self.host_np = [h.numpy() for h in self.host]
         self.device = torch.zeros(size, dtype=torch.int32, device=device) if cuda else self.host[0]
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -211,10 +217,10 @@ class InputBuffers:
             key = (self._turn, length)
             pair = self._copies.get(key)        # (slicing costs host microseconds: decode lengths are few)
             if pair is None:
-                pair = self.device[:length], self.host[self._turn][:length]
+                pair = self.device[:length], self._uva[self._turn].uva[:length]
                 if len(self._copies) < 4096:
                     self._copies[key] = pair
-            pair[0].copy_(pair[1], non_blocking=True)
+            kernel_copy(*pair, check=False)
 
     def views(self, num_reqs: int, num_tokens: int, num_real_reqs: Optional[int] = None,
               num_real_tokens: Optional[int] = None) -> tuple[torch.Tensor, ...]:
@@ -310,9 +316,12 @@ class ModelRunner:
             self.graphs = StepGraphs(max_num_reqs, max_num_batched_tokens, max_model_len, self.device,
                                      max_mixed=0 if model.attn.needs_split else 32)
         # The sampled tokens' host copies, two in turn: a step's tokens are read after the next
-        # step is launched (async scheduling), which writes the other one.
-        self._sampled_host = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._sampled_views: dict[tuple[int, int], torch.Tensor] = {}
+        # step is launched (async scheduling), which writes the other one. On a GPU a kernel
+        # writes them through UVA (``kernel_copy``), as the step's inputs come in.
+        self._sampled_uva = [UvaBuffer(max_num_reqs, torch.int64) for _ in range(2)] if cuda else None
+        self._sampled_host = [b.cpu for b in self._sampled_uva] if cuda else \
+            [torch.zeros(max_num_reqs, dtype=torch.int64) for _ in range(2)]
+        self._sampled_views: dict[tuple[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
         self._row_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}    # see _first_rows
         # Their events, in the same turn: a step's event is recorded again two steps later, when
         # its host copy is written again (by then the engine has read both).
@@ -601,10 +610,15 @@ class ModelRunner:
     def _to_host(self, sampled: torch.Tensor, n: int) -> torch.Tensor:
         """Queue the copy of a step's tokens to pinned host memory (read after the step's event)."""
         self._turn = (self._turn + 1) % len(self._sampled_host)
-        host = self._sampled_views.get((self._turn, n))
-        if host is None:                        # (at most 2 * max_num_reqs views, made once)
-            host = self._sampled_views[self._turn, n] = self._sampled_host[self._turn][:n]
-        host.copy_(sampled, non_blocking=True)
+        views = self._sampled_views.get((self._turn, n))
+        if views is None:                       # (at most 2 * max_num_reqs views, made once)
+            uva = self._sampled_uva[self._turn].uva[:n] if self._sampled_uva is not None else None
+            views = self._sampled_views[self._turn, n] = (self._sampled_host[self._turn][:n], uva)
+        host, uva = views
+        if uva is not None:
+            kernel_copy(uva, sampled, check=False)
+        else:
+            host.copy_(sampled)
         return host
 
     def _event(self):

@@ -181,6 +181,55 @@ class UvaBuffer:
         return f"UvaBuffer(shape={tuple(self.cpu.shape)}, dtype={self.cpu.dtype})"
 
 
+@triton.jit
+def _kernel_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    # Program p copies elements [p * BLOCK, (p + 1) * BLOCK) of two contiguous tensors.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+KERNEL_COPY_BLOCK = 1024
+"""Elements one program of ``kernel_copy`` moves."""
+
+_kernel_copy_launcher = None
+
+
+def kernel_copy(dst: torch.Tensor, src: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """``dst.copy_(src)`` done by a kernel's programs, not by a copy engine; returns ``dst``.
+
+    Meant for a few kilobytes between a UVA view (``UvaBuffer.uva``: pinned host memory) and
+    device memory, in a stream of kernels. ``Tensor.copy_`` hands a host copy to one of the GPU's
+    copy engines, and on a stream the engine and the SMs wait for each other at each hand-over;
+    here the copy is a kernel like its neighbours, and the host memory is read or written over
+    the bus by its loads and stores. Both tensors contiguous, of one dtype and size, on one
+    device (a UVA view is a GPU tensor; on a CPU machine both are host tensors and the kernel runs
+    in Triton's interpreter). ``check=False`` skips the checks, for a caller that made both
+    tensors itself."""
+    global _kernel_copy_launcher
+    if check:
+        for name, t in (("dst", dst), ("src", src)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (the kernel copies flat), got strides {list(t.stride())}")
+        if dst.dtype != src.dtype:
+            raise TypeError(f"dst and src must have one dtype, got {dst.dtype} and {src.dtype}")
+        if dst.shape != src.shape:
+            raise ValueError(f"dst and src must have one shape, got {tuple(dst.shape)} and {tuple(src.shape)}")
+        if dst.device != src.device:
+            raise ValueError(f"dst and src must be on one device, got {dst.device} and {src.device}")
+        check_kernel_device(dst.device, "kernel_copy")
+    n = src.numel()
+    if n:
+        if _kernel_copy_launcher is None:
+            from paged_attention.triton_launch import Launcher
+            _kernel_copy_launcher = Launcher(_kernel_copy_kernel, ("src_ptr", "dst_ptr", "n"), BLOCK=KERNEL_COPY_BLOCK,
+                                             num_warps=4)
+        _kernel_copy_launcher((triton.cdiv(n, KERNEL_COPY_BLOCK),), src, dst, n)
+    return dst
+
+
 class UvaBufferPool:
     """A few ``UvaBuffer``s used in turn, so the host never rewrites the buffer the GPU was last
     given.
