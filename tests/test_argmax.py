@@ -106,17 +106,18 @@ def test_rows_past_the_grid_are_refused_before_the_launch(monkeypatch):
 
 
 def test_models_greedy_tokens_take_the_ops_argmax():
-    """The fused model's greedy tokens are the argmax of its logits, through the kernel (a model
-    that kept torch's would pass the comparison but not the count)."""
+    """The fused model's greedy tokens of more rows than the head kernel takes (lm_head.py) are
+    the argmax of its logits, through this kernel (a model that kept torch's would pass the
+    comparison but not the count)."""
     config = LlamaConfig.tiny()
     model = LlamaForCausalLM(config, random_weights(config), dtype=torch.float32, device=DEV)
     model.fused = True
-    hidden = torch.randn(5, config.hidden_size, device=DEV)
+    hidden = torch.randn(65, config.hidden_size, device=DEV)
     calls = []
     kernel = model.ops._argmax
     model.ops._argmax = lambda logits: calls.append(logits.shape) or kernel(logits)
     tokens = model.greedy_tokens(hidden)
-    assert calls == [(5, config.vocab_size)]
+    assert calls == [(65, config.vocab_size)]
     assert torch.equal(tokens, model.compute_logits(hidden).argmax(dim=-1))
 
 

@@ -208,8 +208,9 @@ class LlamaForCausalLM:
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The most likely next token of each final hidden state (int64): the argmax of
         ``compute_logits`` without its float32 copy (the cast is exact, so the order, ties
-        included, is the same)."""
-        return self.ops.argmax(F.linear(hidden, self.lm_head))
+        included, is the same). The fused operations compare the logits inside the output
+        projection for a decode batch's few rows (``kernels/triton/lm_head.py``)."""
+        return self.ops.greedy_head(hidden, self.lm_head)
 
     __call__ = forward
 
