@@ -16,7 +16,6 @@ from paged_attention.engine.model_runner import RequestStates
 from paged_attention.model import LlamaForCausalLM
 from paged_attention.utils import PAD_SLOT_ID
 from paged_attention.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from paged_attention.v2.buffers import UvaBuffer
 from tests.test_engine import GREEDY, TINY, W, prompts, tokens
 
 CPU = torch.device("cpu")
@@ -288,12 +287,9 @@ def test_a_decode_step_refilling_only_lengths_packs_what_a_full_fill_packs(model
     runner = llm.engine.runner
     runner.graphs = _EagerGraphs(4, 256)
     bufs = runner.buffers
-    # As on a GPU: two host buffers, each copied by a kernel (here, interpreted: a UVA buffer's
-    # stand-in on a CPU is its host tensor).
-    bufs._uva = [UvaBuffer(bufs.host[0].numel(), torch.int32) for _ in range(2)]
-    bufs.host = [b.cpu for b in bufs._uva]
+    bufs.host = [bufs.host[0], torch.zeros_like(bufs.host[0])]
     bufs.host_np = [h.numpy() for h in bufs.host]
-    bufs.device, bufs._views, bufs._copies, bufs._layouts = torch.zeros_like(bufs._uva[0].uva), {}, {}, [None, None]
+    bufs.device, bufs._views, bufs._copies, bufs._layouts = torch.zeros_like(bufs.host[0]), {}, {}, [None, None]
     real, holds = runner.prepare_inputs, bufs.holds
     fast = []
     bufs.holds = lambda layout: fast.append(holds(layout)) or fast[-1]

@@ -217,10 +217,14 @@ class InputBuffers:
             key = (self._turn, length)
             pair = self._copies.get(key)        # (slicing costs host microseconds: decode lengths are few)
             if pair is None:
-                pair = self.device[:length], self._uva[self._turn].uva[:length]
+                src = self._uva[self._turn].uva if self._uva is not None else self.host[self._turn]
+                pair = self.device[:length], src[:length]
                 if len(self._copies) < 4096:
                     self._copies[key] = pair
-            kernel_copy(*pair, check=False)
+            if self._uva is not None:
+                kernel_copy(*pair, check=False)
+            else:                               # host buffers without UVA views (a test's stand-in)
+                pair[0].copy_(pair[1])
 
     def views(self, num_reqs: int, num_tokens: int, num_real_reqs: Optional[int] = None,
               num_real_tokens: Optional[int] = None) -> tuple[torch.Tensor, ...]:
