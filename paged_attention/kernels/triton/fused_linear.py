@@ -72,6 +72,16 @@ from paged_attention.utils import next_power_of_2
 
 
 @triton.jit
+def tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows and columns of an ``[M, N]`` output that program (column tile, row tile) computes:
+    ``(rm, rn, m_mask, n_mask, rows, cols)``, indices, in-range masks and the indices as int64
+    offsets (a GEMM's program prologue; ``lm_head.py``'s kernel shares it)."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, rm < M, rn < N, rm.to(tl.int64), rn.to(tl.int64)
+
+
+@triton.jit
 def _load_stream(x_ptr, residual_ptr, rows, row_mask, k, K, stride_xm, stride_xk, stride_rm, stride_rk,
                  HAS_RESIDUAL: tl.constexpr):
     """Columns ``k`` of rows ``rows`` of the stream: ``x + residual`` rounded to x's dtype (as
@@ -146,12 +156,7 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
     # first (a K of 576 as 512 + 64: all of it read before the wait, no padding to 1024).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < N
-    rows = rm.to(tl.int64)
-    cols = rn.to(tl.int64)
+    rm, rn, m_mask, n_mask, rows, cols = tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
 
     # The first K chunk (all of K when BLOCK_K >= K: then everything is read once). The weight

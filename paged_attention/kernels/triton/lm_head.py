@@ -40,6 +40,7 @@ import triton.language as tl
 from paged_attention.kernels import args
 from paged_attention.kernels.triton import argmax as _argmax
 from paged_attention.kernels.triton.common import check_triton_runs
+from paged_attention.kernels.triton.fused_linear import tile_rows_cols
 from paged_attention.utils import next_power_of_2
 
 
@@ -50,14 +51,8 @@ def _head_argmax_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, M, V, K,
     # Program (column tile, row tile): logits of rows rm for vocabulary entries rn, compared at
     # once. Its winners go to val/idx [M, parts], parts = the column tiles (argmax.py's layout).
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     parts = tl.num_programs(0)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < V
-    rows = rm.to(tl.int64)
-    cols = rn.to(tl.int64)
+    rm, rn, m_mask, n_mask, rows, cols = tile_rows_cols(M, V, BLOCK_M, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
