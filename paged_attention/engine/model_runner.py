@@ -620,6 +620,8 @@ class ModelRunner:
             views = self._sampled_views[self._turn, n] = (self._sampled_host[self._turn][:n], uva)
         host, uva = views
         if uva is not None:
+            if sampled.dtype != torch.int64 or not sampled.is_contiguous():     # (the copy is flat, int64)
+                sampled = sampled.to(torch.int64).contiguous()
             kernel_copy(uva, sampled, check=False)
         else:
             host.copy_(sampled)

@@ -202,7 +202,9 @@ def kernel_copy(dst: torch.Tensor, src: torch.Tensor, *, check: bool = True) -> 
     device memory, in a stream of kernels. ``Tensor.copy_`` hands a host copy to one of the GPU's
     copy engines, and on a stream the engine and the SMs wait for each other at each hand-over;
     here the copy is a kernel like its neighbours, and the host memory is read or written over
-    the bus by its loads and stores. Both tensors contiguous, of one dtype and size, on one
+    the bus by its loads and stores (the model runner's two copies a step this way: an H100's
+    decode step of one request 0.491 against 0.498 ms of GPU time, alternating, four rounds;
+    at 16 and 64 requests within the noise). Both tensors contiguous, of one dtype and size, on one
     device (a UVA view is a GPU tensor; on a CPU machine both are host tensors and the kernel runs
     in Triton's interpreter). ``check=False`` skips the checks, for a caller that made both
     tensors itself."""

@@ -21,8 +21,8 @@ On an H100 (bf16, SmolLM2's 57 MB projection, in a CUDA graph) the two launches 
 and 27.2 us at 1, 16 and 64 rows, against 26.2, 28.3 and 32.8 for cuBLAS's GEMM and
 ``argmax.py``; the weights stream at about 2.3 TB/s either way, so what is saved is the logits'
 round trip and a launch. In the engine's greedy decode steps (``profile_engine``, four rounds
-alternating with the GEMM path, medians of the GPU time a step): 0.498 against 0.501 ms at one
-request, 0.864 against 0.876 at 64, the same at 16.
+alternating with the GEMM path, medians of the GPU time a step, these tiles four stages deep):
+0.498 against 0.501 ms at one request, 0.864 against 0.876 at 64, the same at 16.
 
 The projection is not launched with PDL: with each program asking the L2 cache for its weight
 tile before waiting (as ``fused_linear.py``'s programs do), an H100's decode step was 40 us
