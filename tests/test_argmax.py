@@ -1,6 +1,7 @@
 """Greedy sampling's argmax kernel (kernels/triton/argmax.py) against torch's ``argmax(dim=-1)``:
-ties, NaN, infinities, rows longer than one part, strided views, typed errors; and the model's
-greedy tokens through it. Interpreted on a CPU (fp32, fp16), compiled on a GPU (bf16 too)."""
+ties, NaN, infinities, rows longer than one part, strided views, typed errors (the model's
+greedy tokens through it: tests/test_lm_head.py, with the head kernel's). Interpreted on a CPU
+(fp32, fp16), compiled on a GPU (bf16 too)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,6 @@ import torch
 from paged_attention import runtime
 from paged_attention.kernels.triton import argmax as argmax_mod
 from paged_attention.kernels.triton.argmax import argmax
-from paged_attention.model import LlamaConfig, LlamaForCausalLM, random_weights
 from tests.conftest import dtype_params
 
 DEV = runtime.DEVICE
@@ -103,22 +103,6 @@ def test_rows_past_the_grid_are_refused_before_the_launch(monkeypatch):
     assert argmax(torch.arange(16.0, device=DEV)[None]).tolist() == [15]
     with pytest.raises(ValueError, match="columns"):
         argmax(torch.zeros(1, 17, device=DEV))
-
-
-def test_models_greedy_tokens_take_the_ops_argmax():
-    """The fused model's greedy tokens of more rows than the head kernel takes (lm_head.py) are
-    the argmax of its logits, through this kernel (a model that kept torch's would pass the
-    comparison but not the count)."""
-    config = LlamaConfig.tiny()
-    model = LlamaForCausalLM(config, random_weights(config), dtype=torch.float32, device=DEV)
-    model.fused = True
-    hidden = torch.randn(65, config.hidden_size, device=DEV)
-    calls = []
-    kernel = model.ops._argmax
-    model.ops._argmax = lambda logits: calls.append(logits.shape) or kernel(logits)
-    tokens = model.greedy_tokens(hidden)
-    assert calls == [(65, config.vocab_size)]
-    assert torch.equal(tokens, model.compute_logits(hidden).argmax(dim=-1))
 
 
 @pytest.mark.cuda

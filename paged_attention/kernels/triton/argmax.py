@@ -33,10 +33,24 @@ MAX_PARTS = 65535
 
 
 @triton.jit
+def row_winners(x, cols, V):
+    """Each row's winner in a float32 tile ``x`` ``[rows, columns]`` whose columns are ``cols``
+    (those at ``V`` or past it, padding, hold -inf): ``(value, column)``, the largest value and
+    the first column holding it, or NaN and the first NaN's column (torch's order: NaN above
+    every number). A row of -inf answers its first real column: -inf == -inf too."""
+    nan = x != x
+    nan_at = tl.min(tl.where(nan, cols[None, :], V), axis=1)
+    x = tl.where(nan, -float("inf"), x)
+    top = tl.max(x, axis=1)
+    at = tl.min(tl.where(x == top[:, None], cols[None, :], V), axis=1)
+    has_nan = nan_at < V
+    return tl.where(has_nan, float("nan"), top), tl.where(has_nan, nan_at, at)
+
+
+@triton.jit
 def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, V, stride_m, stride_v, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    # Program (row, part): columns [part * CHUNK, (part + 1) * CHUNK) of the row. Its winner goes
-    # to val/idx [rows, parts]: the largest value and the first column holding it, or NaN and
-    # the first NaN's column.
+    # Program (row, part): columns [part * CHUNK, (part + 1) * CHUNK) of the row, as a tile of
+    # one row. Its winner (row_winners) goes to val/idx [rows, parts].
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -44,15 +58,10 @@ def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, V, stride_m, stride_v, CHUNK: t
     c = part * CHUNK + tl.arange(0, CHUNK)
     mask = c < V
     x = tl.load(x_ptr + row * stride_m + c.to(tl.int64) * stride_v, mask=mask, other=-float("inf"))
-    x = x.to(tl.float32)                # exact for every float input dtype
-    nan = x != x
-    nan_at = tl.min(tl.where(nan, c, V), axis=0)
-    x = tl.where(nan, -float("inf"), x)
-    top = tl.max(x, axis=0)
-    at = tl.min(tl.where(x == top, c, V), axis=0)       # a real column: -inf == -inf too
-    has_nan = nan_at < V
-    tl.store(val_ptr + row * parts + part, tl.where(has_nan, float("nan"), top))
-    tl.store(idx_ptr + row * parts + part, tl.where(has_nan, nan_at, at))
+    top, at = row_winners(x.to(tl.float32)[None, :], c, V)     # float32: exact for every float input
+    at_part = row * parts + part + tl.zeros([1], tl.int64)
+    tl.store(val_ptr + at_part, top)
+    tl.store(idx_ptr + at_part, at)
 
 
 @triton.jit
@@ -98,4 +107,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["argmax", "CHUNK", "MAX_PARTS"]
+__all__ = ["argmax", "row_winners", "CHUNK", "MAX_PARTS"]

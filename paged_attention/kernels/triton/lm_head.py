@@ -9,7 +9,8 @@ programs compare their own tile of logits as they finish it:
 * ``_head_argmax_kernel``: program (column tile, row tile) multiplies ``BLOCK_M`` hidden rows by
   ``BLOCK_N`` rows of the weight (K in chunks, on the tensor cores), rounds the products to the
   model's dtype as ``F.linear`` returns them, and keeps, for each row, the largest and its first
-  column (or the first NaN), as ``argmax.py``'s part kernel does for a chunk of logits;
+  column (or the first NaN): ``argmax.row_winners``, which ``argmax.py``'s part kernel applies
+  to a chunk of logits;
 * ``argmax.py``'s reduce kernel then compares a row's tile winners (one a tile).
 
 The answer is ``argmax(F.linear(hidden, weight), dim=-1)`` computed with this kernel's own
@@ -70,15 +71,9 @@ def _head_argmax_kernel(h_ptr, w_ptr, val_ptr, idx_ptr, M, V, K,
     # The logits as F.linear hands them back (rounded to the dtype), compared exactly: columns
     # past the vocabulary count as -inf, a NaN wins at its first column.
     x = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
-    x = tl.where(n_mask[None, :], x, -float("inf"))
-    nan = x != x
-    nan_at = tl.min(tl.where(nan, rn[None, :], V), axis=1)
-    x = tl.where(nan, -float("inf"), x)
-    top = tl.max(x, axis=1)
-    at = tl.min(tl.where(x == top[:, None], rn[None, :], V), axis=1)
-    has_nan = nan_at < V
-    tl.store(val_ptr + rows * parts + pid_n, tl.where(has_nan, float("nan"), top), mask=m_mask)
-    tl.store(idx_ptr + rows * parts + pid_n, tl.where(has_nan, nan_at, at), mask=m_mask)
+    top, at = _argmax.row_winners(tl.where(n_mask[None, :], x, -float("inf")), rn, V)
+    tl.store(val_ptr + rows * parts + pid_n, top, mask=m_mask)
+    tl.store(idx_ptr + rows * parts + pid_n, at, mask=m_mask)
 
 
 class HeadConfig(NamedTuple):
