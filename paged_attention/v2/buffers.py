@@ -9,7 +9,8 @@ copy and the host-side table, with two ideas:
   bytes; ``UvaBufferPool`` rotates between a few of them so that the CPU can fill the next one
   while the GPU may still read the last (double buffering); ``UvaBackedTensor`` is a small host
   tensor (the truth, edited through numpy) whose current contents the GPU reads through the
-  pool after ``copy_to_uva``.
+  pool after ``copy_to_uva``; ``kernel_copy`` moves a UVA view's contents to device memory, or
+  back, by a kernel rather than a copy engine.
 * **Staged writes.** A big device tensor (a block table) changes in a few cells per step. The
   CPU records the changes (``stage_write(row, start, values)``), and ``apply_write`` scatters
   all of them with one kernel launch: one program per staged write.
