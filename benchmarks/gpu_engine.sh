@@ -41,7 +41,7 @@ for s in $STEPS; do
       # tight pool, the bf16 kernels), and the tables on the GPU.
       step tests 300 python3 -m pytest tests/test_engine.py tests/test_engine_runner.py tests/test_model_fused.py \
         tests/test_triton_layer_ops.py tests/test_fused_linear.py tests/test_triton_prefill.py tests/test_triton_decode.py \
-        tests/test_pdl.py tests/test_argmax.py tests/test_lm_head.py -q -rs \
+        tests/test_pdl.py tests/test_argmax.py tests/test_lm_head.py tests/test_staged_linear.py -q -rs \
         -p no:cacheprovider -m cuda ;;
     bench)
       # At most 9 minutes (a call may run 10); the JSON keeps every section that ran.

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from paged_attention.kernels.triton import pdl  # noqa: E402
 from paged_attention.kernels.triton.decode import _paged_decode_kernel  # noqa: E402
 from paged_attention.kernels.triton.fused_linear import _fused_linear_kernel  # noqa: E402
+from paged_attention.kernels.triton.staged_linear import StagedConfig, _staged_linear_kernel, kernel_constants  # noqa: E402
 
 
 def facts(ptx: str) -> dict:
@@ -33,6 +34,7 @@ def facts(ptx: str) -> dict:
     waits = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
     first_wait = waits[0] if waits else len(lines)
     loads = [i for i, ln in enumerate(lines) if re.match(r"(@%p\d+\s+)?ld\.global", ln)]
+    copies = [i for i, ln in enumerate(lines) if re.match(r"(@%p\d+\s+)?cp\.async\.c[ag]\.shared\.global", ln)]
     stores = [i for i, ln in enumerate(lines) if re.match(r"(@%p\d+\s+)?st\.global", ln)]
     launches = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
     return {"waits": len(waits), "launch_dependents": len(launches),
@@ -42,13 +44,19 @@ def facts(ptx: str) -> dict:
             "params_read": sorted({int(i) for i in re.findall(r"_param_(\d+)\]", ptx)}),
             "loads_before_wait": sum(i < first_wait for i in loads),
             "stores": len(stores), "stores_after_wait": sum(i > first_wait for i in stores),
-            "launch_after_wait": all(i > first_wait for i in launches)}
+            "launch_after_wait": all(i > first_wait for i in launches),
+            # cp.async copies global -> shared (16 bytes each): how many before and after the wait
+            "copies_before_wait": sum(i < first_wait for i in copies),
+            "copies_after_wait": sum(i > first_wait for i in copies)}
 
 
-def compile_ptx(kernel, types: dict, constants: dict, num_warps: int, num_stages: int, pdl_on: bool) -> str:
+def compile_ptx(kernel, types: dict, constants: dict, num_warps: int, num_stages: int, pdl_on: bool,
+                source=ASTSource) -> str:
     signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(n),): v for n, v in constants.items()}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    # Pointers 16-byte aligned, as torch's allocations are (Triton specialises on it at launch).
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if types.get(n, "")[:1] == "*"}
+    src = source(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     options = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": pdl_on}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
@@ -92,6 +100,27 @@ def decode(pdl_on: bool) -> str:
     return compile_ptx(_paged_decode_kernel, types, constants, 4, 3, pdl_on)
 
 
+def staged_linear(pdl_on: bool, mode: str = "down") -> str:
+    """``staged_linear``'s kernel for SmolLM2's down projection (K = 1024 + 512, residual add) or
+    its gate/up projection (``mode="gate_up"``: K = 512 + 64, norm from sums, SwiGLU), 32 columns
+    a program: each thread copies 48 (gate_up: 2 x 18) 16-byte pieces of weights, and 24 (9) of
+    the rows."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    types = {n: "*bf16" for n in ("x_ptr", "weight_ptr", "norm_weight_ptr", "add_ptr", "out_ptr")}
+    types.update(sum_sq_ptr="*fp32", sums_out_ptr="*fp32", M="i32", eps="fp32", num_sums="i32")
+    gate_up = mode == "gate_up"
+    N, K, config = (1536, 576, StagedConfig(32, 512, 64)) if gate_up else (576, 1536, StagedConfig(32, 1024, 512))
+    constants = kernel_constants(N, K, config, norm=gate_up, silu_and_mul=gate_up, add=not gate_up, num_sums=18,
+                                 pdl_on=pdl_on)
+    options = {k: constants.pop(k) for k in ("num_warps", "launch_pdl") if k in constants}
+    return compile_ptx(_staged_linear_kernel, types, constants, options["num_warps"], 1, pdl_on,
+                       source=GluonASTSource)
+
+
+def staged_linear_gate_up(pdl_on: bool) -> str:
+    return staged_linear(pdl_on, "gate_up")
+
+
 @triton.jit
 def _stores_before_waiting(x_ptr, y_ptr, PDL: tl.constexpr):
     """A planted bug for the checker: it writes before it waits for the kernel before it."""
@@ -109,7 +138,8 @@ if __name__ == "__main__":
     report = {f"{name}/{'pdl' if on else 'plain'}": facts(fn(on))
               for name, fn in (("fused_linear", fused_linear), ("fused_linear_two_chunks", fused_linear_two_chunks),
                                ("fused_linear_prefetch", fused_linear_prefetch),
-                               ("decode", decode), ("planted", planted))
+                               ("decode", decode), ("staged_linear", staged_linear),
+                               ("staged_linear_gate_up", staged_linear_gate_up), ("planted", planted))
               for on in (True, False)}
     report["fused_linear/prefetch_ptr"] = runtime_arg_index(_fused_linear_kernel, "prefetch_ptr")
     print(json.dumps(report))

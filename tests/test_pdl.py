@@ -198,6 +198,24 @@ def test_a_projection_given_weights_to_prefetch_asks_for_them_before_waiting(ptx
 
 
 @_COMPILER_CHECKED
+@pytest.mark.parametrize("kernel, weight_copies, row_copies", [("staged_linear", 48, 24),
+                                                               ("staged_linear_gate_up", 2 * 18, 9)])
+def test_staged_projections_copy_their_weights_before_waiting_and_their_rows_after(
+        ptx_facts, kernel, weight_copies, row_copies):
+    """``staged_linear``'s Gluon kernel (SmolLM2's down projection, and its gate/up projection
+    with the norm and SwiGLU): every 16-byte ``cp.async`` piece of the weights is issued before
+    the wait, every piece of the rows (the previous kernel's output) after it, nothing is loaded
+    into registers before it (the norm's sums, its weight and the residual come after), and
+    every store comes after it; without PDL the same copies and no wait."""
+    on, off = ptx_facts[f"{kernel}/pdl"], ptx_facts[f"{kernel}/plain"]
+    assert on["waits"] == 1 and on["launch_dependents"] == 1 and on["launch_after_wait"]
+    assert on["copies_before_wait"] == weight_copies and on["copies_after_wait"] == row_copies
+    assert on["loads_before_wait"] == 0 and on["stores"] > 0 and on["stores_after_wait"] == on["stores"]
+    assert off["waits"] == off["launch_dependents"] == 0
+    assert off["copies_before_wait"] == weight_copies + row_copies
+
+
+@_COMPILER_CHECKED
 def test_the_check_catches_a_kernel_that_writes_before_waiting(ptx_facts):
     planted = ptx_facts["planted/pdl"]
     assert planted["waits"] == 1 and planted["stores_after_wait"] < planted["stores"]
