@@ -206,10 +206,10 @@ class FusedLayerOps:
     there: at ``prefetch_rows`` rows only, where it was measured to pay."""
 
     prefetch_rows: tuple[int, int] = (9, 32)
-    """The token rows, both ends included, at which projections prefetch the weights they are
-    given. Measured in the engine's decode steps (``profile_engine``, SmolLM2 shape, on an H100,
-    alternating with and without): GPU time a step -6 % at 16 requests, -3 % at 32; at 1, 4, 8 and
-    64 within 1 % either way."""
+    """The token rows, both ends included, at which projections prefetch the weights they are given,
+    where ``staged_linear`` does not take the shape (from ``staged_rows`` on it copies its own weights
+    early). Measured before it, in the engine's decode steps (SmolLM2's shape, H100, alternating): GPU
+    time a step -6 % at 16 requests, -3 % at 32; at 1, 4, 8 and 64 within 1 % either way."""
 
     def __init__(self, config: LlamaConfig, rotary: RotaryEmbedding, attn: PagedAttention) -> None:
         import triton
@@ -455,7 +455,8 @@ class FusedLayerOps:
                 sum_sq: torch.Tensor | None, add: torch.Tensor | None, silu: bool, N: int, K: int, pieces: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """``_fused``'s launch by ``staged_linear`` (its tensors contiguous, a norm from sums or the
-        residual add), or None where that kernel does not take the shape (then ``fused_linear``)."""
+        residual add), or None where that kernel does not take the shape (then ``fused_linear``).
+        A ``prefetch=`` region is not asked for here: this kernel copies its own weights early."""
         from paged_attention.kernels.triton import staged_linear as sl
         key = ("staged", norm_weight is not None, silu, pieces, add is not None, N, K, x.dtype)
         launch = self._linear_launchers.get(key, False)

@@ -136,6 +136,26 @@ def _mma(a, w, acc, BLOCK_M: tl.constexpr):
         return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32), axis=2)
 
 
+@triton.jit
+def swiglu_rounded(acc, acc_up, dtype: tl.constexpr):
+    """``silu(gate) * up`` from the gate and up projections' float32 sums, rounded as the unfused
+    path rounds: each projection's output to the dtype, silu to the dtype, then the product."""
+    gate = acc.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
+def residual_added(result, r, dtype: tl.constexpr):
+    """``(result + r, sums)``: the residual added as the unfused path adds it (in float32, rounded
+    once, as torch's add), and each row's squares of that sum, summed in float32 (zeros outside
+    the tile add nothing): the next norm's piece for this tile's columns."""
+    out = (result.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    outf = out.to(tl.float32)
+    return out, tl.sum(outf * outf, axis=1)
+
+
 @triton.jit(do_not_specialize=["M"])     # one compiled kernel for every token count
 def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_ptr, stream_ptr,
                          sum_sq_ptr, add_ptr, sums_out_ptr, prefetch_ptr,
@@ -259,23 +279,16 @@ def _fused_linear_kernel(x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, out_p
 
     dtype = x_ptr.dtype.element_ty
     if SILU_AND_MUL:
-        # As the unfused path: the projection's outputs rounded to the dtype, silu rounded before
-        # the product.
-        gate = acc.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        result = (act * up).to(dtype)
+        result = swiglu_rounded(acc, acc_up, dtype)
     else:
         result = acc.to(dtype)
     out_mask = m_mask[:, None] & n_mask[None, :]
     if ADD_RESIDUAL:
-        # As the unfused path: the projection rounded to the dtype, then the residual added (in
-        # float32, rounded once, as torch's add). The squares of what is stored, summed over this
-        # program's columns (zeros outside), are the next norm's pieces.
+        # The projection rounded to the dtype, then the residual added; the squares of what is
+        # stored, over this program's columns, are the next norm's pieces.
         r = tl.load(add_ptr + rows[:, None] * stride_am + cols[None, :] * stride_an, mask=out_mask, other=0.0)
-        result = (result.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        rf = result.to(tl.float32)
-        tl.store(sums_out_ptr + rows * tl.num_programs(0) + pid_n, tl.sum(rf * rf, axis=1), mask=m_mask)
+        result, sums = residual_added(result, r, dtype)
+        tl.store(sums_out_ptr + rows * tl.num_programs(0) + pid_n, sums, mask=m_mask)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], result, mask=out_mask)
 
 

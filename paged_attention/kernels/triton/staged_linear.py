@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton import pdl as _pdl
+from paged_attention.kernels.triton.fused_linear import residual_added, swiglu_rounded
 from paged_attention.utils import cdiv
 
 # Names that moved between the Triton releases in use (3.6 on the GPU machine, 3.9 on the CPUs).
@@ -172,22 +173,18 @@ def _staged_linear_kernel(x_ptr, weight_ptr, norm_weight_ptr, sum_sq_ptr, add_pt
         if K2 > 0:
             acc_up = _mma_part(acc_up, x2, u2, K2, a_layout, b_layout)
 
-    # 5. The epilogue, as fused_linear's.
+    # 5. The epilogue: fused_linear's own helpers (Triton functions, which Gluon calls as they are).
     rm_o = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, mma))
     rn_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma))
     out_mask = (rm_o < M)[:, None] & (rn_o < N)[None, :]
     if SILU_AND_MUL:
-        gate = acc.to(dtype).to(gl.float32)
-        up = acc_up.to(dtype).to(gl.float32)
-        act = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32)
-        result = (act * up).to(dtype)
+        result = swiglu_rounded(acc, acc_up, dtype)
     else:
         result = acc.to(dtype)
     if ADD_RESIDUAL:
         r = gl.load(add_ptr + rm_o[:, None] * N + rn_o[None, :], mask=out_mask, other=0.0)
-        result = (result.to(gl.float32) + r.to(gl.float32)).to(dtype)
-        rf = result.to(gl.float32)
-        gl.store(sums_out_ptr + rm_o * gl.num_programs(0) + pid_n, gl.sum(rf * rf, axis=1), mask=rm_o < M)
+        result, sums = residual_added(result, r, dtype)
+        gl.store(sums_out_ptr + rm_o * gl.num_programs(0) + pid_n, sums, mask=rm_o < M)
     gl.store(out_ptr + rm_o[:, None] * N + rn_o[None, :], result, mask=out_mask)
 
 
