@@ -69,6 +69,8 @@ def test_the_front_end_refuses_bad_input_before_launching():
     add = torch.zeros(4, 64, dtype=torch.float16, device=DEV)
     with pytest.raises(ValueError, match="act"):
         staged_linear(x, w, act="gelu")
+    with pytest.raises(ValueError, match="eps"):
+        staged_linear(x, w, norm_weight=nw, sum_sq=sums, eps=float("nan"))
     with pytest.raises(ValueError, match="weight must be"):
         staged_linear(x, w[:, :64])
     with pytest.raises(ValueError, match="weight must be"):

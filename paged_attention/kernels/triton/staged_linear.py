@@ -2,9 +2,9 @@
 
 ``fused_linear``'s kernel, launched with programmatic dependent launch (``pdl.py``), reads its
 first chunk of weights before it waits for the kernel before it; the rest of its K loop runs after
-the wait, one chunk of weights and activations at a time. At 16 to 64 token rows that loop is
-most of a projection's time: with down_proj's K halved (timing only) a 64-request decode step of
-SmolLM2 was 1.7 us a layer shorter, with gate_up's 1.8 (H100). Triton puts a pipelined loop's
+the wait, one chunk of weights and activations at a time. At 16 to 64 token rows that loop is a
+third to a half of a projection's time: with down_proj's K halved (timing only) a 64-request
+decode step of SmolLM2 was 1.7 us a layer shorter, with gate_up's 1.8, of ~5.3 each (H100). Triton puts a pipelined loop's
 loads where it likes, after whatever precedes the loop, the wait included, so a Triton kernel
 cannot have its weights on the chip when the wait ends.
 
@@ -32,8 +32,8 @@ which shapes fit the device; others stay with ``fused_linear``. Buffers must be 
 K is split as ``K1 + K2`` (576 = 512 + 64, 1536 = 1024 + 512).
 
 Gluon kernels do not run in Triton's interpreter: on a CPU the model keeps ``fused_linear``, and
-``tests/test_staged_linear.py`` compiles this kernel for sm_90 there to check where its copies
-and stores fall around the wait.
+``tests/test_pdl.py`` compiles this kernel for sm_90 there (``tests/pdl_ptx.py``) to check where
+its copies and stores fall around the wait.
 """
 from __future__ import annotations
 
@@ -276,6 +276,8 @@ def staged_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
     args.tensor("weight", weight, ndim=2)
     if act not in (None, "silu_and_mul"):
         raise ValueError(f"act must be None or 'silu_and_mul', got {act!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     silu = act == "silu_and_mul"
     M, K = x.shape
     if weight.size(1) != K or (silu and weight.size(0) % 2):
