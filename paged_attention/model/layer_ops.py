@@ -240,7 +240,7 @@ class FusedLayerOps:
         self._argmax = argmax.argmax
         from paged_attention.kernels.triton import lm_head
         self._lm_head = lm_head
-        self._linear_launchers: dict[tuple, Launcher] = {}
+        self._linear_launchers: dict[tuple, object] = {}     # Launchers; staged: (config, Launcher) or None
         self.small_batch = fused_linear.PDL_ROWS if pdl.enabled(rotary.cos_sin.device) else fused_linear.CUDA_CORE_ROWS
         self.linear_config = None
 
