@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from paged_attention.kernels import args
 from paged_attention.kernels.triton import pdl as _pdl
-from paged_attention.kernels.triton.fused_linear import residual_added, swiglu_rounded
+from paged_attention.kernels.triton.fused_linear import _normalise, residual_added, swiglu_rounded
 from paged_attention.utils import cdiv
 
 # Names that moved between the Triton releases in use (3.6 on the GPU machine, 3.9 on the CPUs).
@@ -78,13 +78,9 @@ def _copy_rows(part1, part2, rows_ptr, mask, cols, K1: gl.constexpr, K2: gl.cons
 @gluon.jit
 def _normalise_in_place(part, norm_weight_ptr, k_off, inv_rms, WIDTH: gl.constexpr, layout: gl.constexpr):
     """The stream's columns ``[k_off, k_off + WIDTH)`` in shared memory replaced by the GEMM's
-    input, rounded as ``fused_linear._normalise`` rounds: ``x / rms`` to the dtype, times the norm
-    weight, to the dtype again."""
-    h = part.load(layout)
+    input: ``fused_linear._normalise`` of them (its roundings, the same Triton function)."""
     k = k_off + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
-    w = gl.load(norm_weight_ptr + k).to(gl.float32)
-    y = (h.to(gl.float32) * inv_rms[:, None]).to(h.dtype).to(gl.float32)
-    part.store((y * w[None, :]).to(h.dtype))
+    part.store(_normalise(part.load(layout), inv_rms, gl.load(norm_weight_ptr + k)))
 
 
 @gluon.jit
@@ -173,7 +169,8 @@ def _staged_linear_kernel(x_ptr, weight_ptr, norm_weight_ptr, sum_sq_ptr, add_pt
         if K2 > 0:
             acc_up = _mma_part(acc_up, x2, u2, K2, a_layout, b_layout)
 
-    # 5. The epilogue: fused_linear's own helpers (Triton functions, which Gluon calls as they are).
+    # 5. The epilogue: fused_linear's own helpers (Triton functions, which Gluon calls as they are,
+    #    as step 3 calls its norm).
     rm_o = pid_m * _BLOCK_M + gl.arange(0, _BLOCK_M, gl.SliceLayout(1, mma))
     rn_o = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma))
     out_mask = (rm_o < M)[:, None] & (rn_o < N)[None, :]
