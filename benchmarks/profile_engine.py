@@ -19,7 +19,9 @@ a step, where the kernels before and after it share the GPU and the caches (and 
 ``--tile 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES[,BK2];...'`` replaces ``fused_linear.TUNED``'s entry for
 ``M`` rows of the projection ``(N, K, silu_and_mul)`` (SILU 0 or 1), and ``--decode-launch
 TILE_N,WARPS,STAGES`` gives every decode-attention launch that shape, for this run only: run it
-with and without, alternating, on one warm machine, and compare the GPU busy time a step.
+with and without, alternating, on one warm machine, and compare the GPU busy time a step. Where
+the host is slow (GPU idle above a few percent), GPU busy moves with it; ``--replay`` then gives
+a steadier figure: the last decode step's CUDA graph replayed back to back (``replay_table``).
 ``--leave-out gate_up,down,...`` (timing only) runs the decode steps without those parts'
 launches: what a part costs inside a step, where PDL overlaps each kernel with its neighbours.
 
@@ -305,6 +307,44 @@ def host_profile(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
     return f"  cProfile over {steps} steps of {n} requests (own time, then cumulative):\n" + s.getvalue()
 
 
+def decode_graph_key(graphs, n: int) -> tuple | None:
+    """The key of the greedy decode graph that ``n`` requests' last steps replayed: their batch
+    bucket, one token each, the longest context bucket captured (None if there is none)."""
+    bucket = graphs._bucket_of.get(n)
+    keys = [k for k in graphs.graphs if len(k) == 5 and k[0] == bucket and k[2] == 1 and k[4] == "greedy"]
+    return max(keys, key=lambda k: k[3]) if keys else None
+
+
+def replay_table(llm: LLM, n: int, rounds: int = 5, replays: int = 50) -> str:
+    """The GPU's time for a decode step of ``n`` requests with no host in it: the greedy decode
+    graph of ``n``'s batch bucket with the longest context bucket (the run's last steps) replayed
+    ``replays`` times back to back, ``rounds`` times. On a host slow enough to leave the GPU idle
+    between steps, the GPU busy time a step moves by 10 % from one run to the next while this
+    stays within 1 % (H100, 256 requests). A replay stores tokens and cache rows again, into rows
+    no request holds once the run is over but which the prefix cache may still name: the engine
+    is reset afterwards (``abort_all``: the prefix cache forgotten)."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return "  replay: the engine runs no CUDA graphs"
+    key = decode_graph_key(graphs, n)
+    if key is None:
+        return f"  replay: no greedy decode graph of {n} requests"
+    graph = graphs.graphs[key][0]
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    llm.engine.abort_all("replayed")
+    return (f"  decode step of {n} requests, its graph replayed back to back: median {statistics.median(times):.3f} "
+            f"ms ({' '.join(f'{t:.3f}' for t in times)}; {rounds} rounds of {replays})")
+
+
 def step_table(llm: LLM, first: int, seconds: float) -> str:
     """Where the run's wall time went: the steps' own times against it, the slowest decode steps,
     and every step that was not decode-only (prefills, mixed steps)."""
@@ -341,6 +381,8 @@ def main() -> int:
     parser.add_argument("--decode-launch", default="", help="every decode launch's TILE_N,WARPS,STAGES")
     parser.add_argument("--chain", action="store_true",
                         help="also each decode kernel's increment of the step's time (critical_path)")
+    parser.add_argument("--replay", action="store_true",
+                        help="also the GPU time of a decode step, its graph replayed back to back")
     parser.add_argument("--leave-out", default="", help=f"timing only: decode steps without these launches, "
                         f"some of {','.join(LEAVE_OUT)}")
     opts = parser.parse_args()
@@ -378,6 +420,10 @@ def main() -> int:
         line += "\n" + step_table(llm, first, e["seconds"])
         print(line, flush=True)
         lines.append(line)
+        if opts.replay:
+            t = replay_table(llm, n)
+            print(t, flush=True)
+            lines.append(t)
         if opts.prefill:
             t = prefill_trace(llm, n, opts.prompt_len)
             print(t, flush=True)

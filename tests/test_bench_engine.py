@@ -234,3 +234,24 @@ def test_profile_engine_leaves_parts_out_for_timing(monkeypatch):
     out = torch.full_like(p.query, 7.0)
     decode.paged_attention_decode(out, *p.decode_args())
     assert (out == 7.0).all()
+
+
+def test_profile_engine_replays_the_longest_decode_graph_of_the_batch_bucket():
+    """``--replay`` picks the greedy decode graph of the requests' batch bucket with the longest
+    context bucket (not a prefill's graph, not the non-greedy one, not another bucket's), and says
+    so where there is no graph to replay."""
+    from paged_attention.engine.cuda_graphs import StepGraphs
+
+    pe = _profile_engine()
+    graphs = StepGraphs(256, 16384, 1024, torch.device("cpu"))
+    for key in [(256, 256, 1, 128, "greedy"), (256, 256, 1, 256, "greedy"), (256, 16384, 128, 512, "greedy"),
+                (256, 256, 1, 512), (64, 64, 1, 1024, "greedy"), (256, 256, 1, 192, "greedy")]:
+        graphs.graphs[key] = (None, None)
+    assert pe.decode_graph_key(graphs, 256) == (256, 256, 1, 256, "greedy")
+    assert pe.decode_graph_key(graphs, 250) == (256, 256, 1, 256, "greedy")         # bucket 256
+    assert pe.decode_graph_key(graphs, 64) == (64, 64, 1, 1024, "greedy")
+    assert pe.decode_graph_key(graphs, 16) is None and pe.decode_graph_key(graphs, 300) is None
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(graphs=None)))
+    assert "no CUDA graphs" in pe.replay_table(llm, 4)
+    llm.engine.runner.graphs = graphs
+    assert "no greedy decode graph of 16 requests" in pe.replay_table(llm, 16)
