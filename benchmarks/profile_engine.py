@@ -318,9 +318,11 @@ def decode_graph_key(graphs, n: int) -> tuple | None:
 def replay_table(llm: LLM, n: int, rounds: int = 5, replays: int = 50) -> str:
     """The GPU's time for a decode step of ``n`` requests with no host in it: the greedy decode
     graph of ``n``'s batch bucket with the longest context bucket (the run's last steps) replayed
-    ``replays`` times back to back, ``rounds`` times. On a host slow enough to leave the GPU idle
-    between steps, the GPU busy time a step moves by 10 % from one run to the next while this
-    stays within 1 % (H100, 256 requests). A replay stores tokens and cache rows again, into rows
+    ``replays`` times back to back, ``rounds`` times. GPU busy counts from an event the step
+    records before the host prepares its inputs, so it also holds the GPU's waits for the host's
+    launches inside the step; a replay has none. On a host slow enough to leave the GPU idle
+    15-17 % between steps, GPU busy was 1.613-1.615 ms a step at 256 requests in two runs and
+    this 1.182-1.186 ms in the same processes (H100; the replay's contexts are the run's longest). A replay stores tokens and cache rows again, into rows
     no request holds once the run is over but which the prefix cache may still name: the engine
     is reset afterwards (``abort_all``: the prefix cache forgotten)."""
     graphs = llm.engine.runner.graphs
