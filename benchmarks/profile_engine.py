@@ -322,9 +322,10 @@ def replay_table(llm: LLM, n: int, rounds: int = 5, replays: int = 50) -> str:
     records before the host prepares its inputs, so it also holds the GPU's waits for the host's
     launches inside the step; a replay has none. On a host slow enough to leave the GPU idle
     15-17 % between steps, GPU busy was 1.613-1.615 ms a step at 256 requests in two runs and
-    this 1.182-1.186 ms in the same processes (H100; the replay's contexts are the run's longest). A replay stores tokens and cache rows again, into rows
-    no request holds once the run is over but which the prefix cache may still name: the engine
-    is reset afterwards (``abort_all``: the prefix cache forgotten)."""
+    this 1.182-1.186 ms in the same processes (H100; the replay's contexts are the run's
+    longest). A replay stores tokens and cache rows again, into rows no request holds once the
+    run is over but which the prefix cache may still name: the engine is reset afterwards
+    (``abort_all``: the prefix cache forgotten)."""
     graphs = llm.engine.runner.graphs
     if graphs is None:
         return "  replay: the engine runs no CUDA graphs"
