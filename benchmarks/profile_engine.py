@@ -20,8 +20,9 @@ a step, where the kernels before and after it share the GPU and the caches (and 
 ``M`` rows of the projection ``(N, K, silu_and_mul)`` (SILU 0 or 1), and ``--decode-launch
 TILE_N,WARPS,STAGES`` gives every decode-attention launch that shape, for this run only: run it
 with and without, alternating, on one warm machine, and compare the GPU busy time a step. Where
-the host is slow (GPU idle above a few percent), GPU busy moves with it; ``--replay`` then gives
-a steadier figure: the last decode step's CUDA graph replayed back to back (``replay_table``).
+the host is slow, GPU busy moves with it (it counts from an event recorded before the host
+prepares the step's inputs); ``--graph-time`` then times each decode step's CUDA graph where the
+step replays it, against the host's own time a step (``graph_time_table``).
 ``--leave-out gate_up,down,...`` (timing only) runs the decode steps without those parts'
 launches: what a part costs inside a step, where PDL overlaps each kernel with its neighbours.
 
@@ -307,45 +308,66 @@ def host_profile(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
     return f"  cProfile over {steps} steps of {n} requests (own time, then cumulative):\n" + s.getvalue()
 
 
-def decode_graph_key(graphs, n: int) -> tuple | None:
-    """The key of the greedy decode graph that ``n`` requests' last steps replayed: their batch
-    bucket, one token each, the longest context bucket captured (None if there is none)."""
-    bucket = graphs._bucket_of.get(n)
-    keys = [k for k in graphs.graphs if len(k) == 5 and k[0] == bucket and k[2] == 1 and k[4] == "greedy"]
-    return max(keys, key=lambda k: k[3]) if keys else None
+def is_decode_graph(key: tuple) -> bool:
+    """Whether a ``StepGraphs`` key is a decode step's graph (one token a request), greedy or not."""
+    return key[2] == 1 and key[0] == key[1]
 
 
-def replay_table(llm: LLM, n: int, rounds: int = 5, replays: int = 50) -> str:
-    """The GPU's time for a decode step of ``n`` requests with no host in it: the greedy decode
-    graph of ``n``'s batch bucket with the longest context bucket (the run's last steps) replayed
-    ``replays`` times back to back, ``rounds`` times. GPU busy counts from an event the step
-    records before the host prepares its inputs, so it also holds the GPU's waits for the host's
-    launches inside the step; a replay has none. On a host slow enough to leave the GPU idle
-    15-17 % between steps, GPU busy was 1.613-1.615 ms a step at 256 requests in two runs and
-    this 1.182-1.186 ms in the same processes (H100; the replay's contexts are the run's
-    longest). A replay stores tokens and cache rows again, into rows no request holds once the
-    run is over but which the prefix cache may still name: the engine is reset afterwards
-    (``abort_all``: the prefix cache forgotten)."""
-    graphs = llm.engine.runner.graphs
+def graph_summary(n: int, rows: list[tuple[float, float, float, float]]) -> str:
+    """``--graph-time``'s lines from one row per decode step, ``(wall, host, busy, graph)`` in ms:
+    the step's time in the host's loop, the host's own part of it (the rest is waiting for the
+    GPU), the GPU's busy time (from the step's first CUDA event to its last) and its graph's
+    replay. Medians; the graph's also over the first and the last fifth of the steps, where the
+    contexts are shortest and longest. Whichever is longer, the host's own time or the graph,
+    sets the pace of the steps."""
+    if not rows:
+        return f"  graph time: no decode step of {n} requests replayed a graph"
+    median = statistics.median
+    wall, host, busy, graph = (median(col) for col in zip(*rows))
+    fifth = max(1, len(rows) // 5)
+    early, late = median(r[3] for r in rows[:fifth]), median(r[3] for r in rows[-fifth:])
+    pace = "the host's" if host > graph else "the GPU's"
+    return (f"  decode steps of {n} requests replaying a graph ({len(rows)}, medians in ms): wall {wall:.3f}, the "
+            f"host's own {host:.3f}, GPU busy {busy:.3f}, the graph {graph:.3f} (first fifth {early:.3f}, last "
+            f"fifth {late:.3f}): {pace} work is the longer")
+
+
+def graph_time_table(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
+    """``--graph-time``: the run of ``n`` requests again, with CUDA events around each decode
+    step's graph replay, as the step runs it (its own inputs and contexts), beside the step's GPU
+    busy time and the host's time (``graph_summary``). A graph replayed apart from the run would
+    read whatever inputs its buffers last held (at the end of a run, requests that have
+    finished), and shows a shorter step than the run's."""
+    runner = llm.engine.runner
+    graphs = runner.graphs
     if graphs is None:
-        return "  replay: the engine runs no CUDA graphs"
-    key = decode_graph_key(graphs, n)
-    if key is None:
-        return f"  replay: no greedy decode graph of {n} requests"
-    graph = graphs.graphs[key][0]
-    times = []
-    for _ in range(rounds):
+        return "  graph time: the engine runs no CUDA graphs"
+    timed = []
+
+    def timed_run(key, forward):
+        if not is_decode_graph(key) or key not in graphs.graphs:
+            return run(key, forward)                # a capture, or a step with prefills
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
         start.record()
-        for _ in range(replays):
-            graph.replay()
+        out = run(key, forward)
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    llm.engine.abort_all("replayed")
-    return (f"  decode step of {n} requests, its graph replayed back to back: median {statistics.median(times):.3f} "
-            f"ms ({' '.join(f'{t:.3f}' for t in times)}; {rounds} rounds of {replays})")
+        timed.append((start, end))
+        return out
+
+    run, graphs.run = graphs.run, timed_run
+    first = len(llm.engine.step_stats)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        llm.generate(make_prompts(n, prompt_len, llm.config.vocab_size, seed=n + 2), params, use_tqdm=False)
+    finally:
+        del graphs.run                                 # the class's method again
+    torch.cuda.synchronize()
+    steps = [s for s in llm.engine.step_stats[first:] if s.decode_only and s.cuda_graph and s.gpu_events]
+    if len(steps) != len(timed):
+        return f"  graph time: {len(timed)} graph replays for {len(steps)} decode steps with graphs"
+    rows = [(1e3 * s.total, 1e3 * (s.total - s.wait), s.gpu_events[0].elapsed_time(s.gpu_events[1]),
+             start.elapsed_time(end)) for s, (start, end) in zip(steps, timed)]
+    return graph_summary(n, rows)
 
 
 def step_table(llm: LLM, first: int, seconds: float) -> str:
@@ -384,8 +406,8 @@ def main() -> int:
     parser.add_argument("--decode-launch", default="", help="every decode launch's TILE_N,WARPS,STAGES")
     parser.add_argument("--chain", action="store_true",
                         help="also each decode kernel's increment of the step's time (critical_path)")
-    parser.add_argument("--replay", action="store_true",
-                        help="also the GPU time of a decode step, its graph replayed back to back")
+    parser.add_argument("--graph-time", action="store_true",
+                        help="also each decode step's graph timed as the step runs it, against the host")
     parser.add_argument("--leave-out", default="", help=f"timing only: decode steps without these launches, "
                         f"some of {','.join(LEAVE_OUT)}")
     opts = parser.parse_args()
@@ -423,8 +445,8 @@ def main() -> int:
         line += "\n" + step_table(llm, first, e["seconds"])
         print(line, flush=True)
         lines.append(line)
-        if opts.replay:
-            t = replay_table(llm, n)
+        if opts.graph_time:
+            t = graph_time_table(llm, n, opts.prompt_len, opts.max_tokens)
             print(t, flush=True)
             lines.append(t)
         if opts.prefill:

@@ -236,22 +236,21 @@ def test_profile_engine_leaves_parts_out_for_timing(monkeypatch):
     assert (out == 7.0).all()
 
 
-def test_profile_engine_replays_the_longest_decode_graph_of_the_batch_bucket():
-    """``--replay`` picks the greedy decode graph of the requests' batch bucket with the longest
-    context bucket (not a prefill's graph, not the non-greedy one, not another bucket's), and says
-    so where there is no graph to replay."""
-    from paged_attention.engine.cuda_graphs import StepGraphs
-
+def test_profile_engine_graph_time_summarises_decode_steps_by_hand():
+    """``--graph-time`` times decode graphs only (one token a request, greedy or not; not a step
+    with prefills), and sums its rows up as medians, the graph's over the first and last fifth
+    too, naming whichever of the host's own time and the graph is the longer."""
     pe = _profile_engine()
-    graphs = StepGraphs(256, 16384, 1024, torch.device("cpu"))
-    for key in [(256, 256, 1, 128, "greedy"), (256, 256, 1, 256, "greedy"), (256, 16384, 128, 512, "greedy"),
-                (256, 256, 1, 512), (64, 64, 1, 1024, "greedy"), (256, 256, 1, 192, "greedy")]:
-        graphs.graphs[key] = (None, None)
-    assert pe.decode_graph_key(graphs, 256) == (256, 256, 1, 256, "greedy")
-    assert pe.decode_graph_key(graphs, 250) == (256, 256, 1, 256, "greedy")         # bucket 256
-    assert pe.decode_graph_key(graphs, 64) == (64, 64, 1, 1024, "greedy")
-    assert pe.decode_graph_key(graphs, 16) is None and pe.decode_graph_key(graphs, 300) is None
+    assert pe.is_decode_graph((256, 256, 1, 256, "greedy")) and pe.is_decode_graph((64, 64, 1, 512))
+    assert not pe.is_decode_graph((256, 16384, 128, 512, "greedy")) and not pe.is_decode_graph((4, 8, 1, 16))
+    # Ten steps: the graph grows with the contexts; one slow host step (an outlier) moves no median.
+    rows = [(1.5, 1.2, 1.45, 1.3 + 0.02 * i) for i in range(10)]
+    rows[4] = (9.0, 8.0, 1.45, 1.38)
+    line = pe.graph_summary(256, rows)
+    assert "(10, medians in ms): wall 1.500, the host's own 1.200, GPU busy 1.450, the graph 1.390" in line
+    assert "(first fifth 1.310, last fifth 1.470)" in line and line.endswith("the GPU's work is the longer")
+    slow_host = [(1.6, 1.5, 1.5, 1.4)] * 3
+    assert pe.graph_summary(8, slow_host).endswith("the host's work is the longer")
+    assert "no decode step of 4 requests" in pe.graph_summary(4, [])
     llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(graphs=None)))
-    assert "no CUDA graphs" in pe.replay_table(llm, 4)
-    llm.engine.runner.graphs = graphs
-    assert "no greedy decode graph of 16 requests" in pe.replay_table(llm, 16)
+    assert "no CUDA graphs" in pe.graph_time_table(llm, 4, 16, 8)
