@@ -166,6 +166,22 @@ def test_ragged_columns_and_a_k_of_one_part(N, K, silu, add):
         torch.testing.assert_close(sums.sum(1), ref_sums.sum(1), rtol=1e-5, atol=0)
 
 
+def test_launch_tensors_put_a_placeholder_where_an_input_is_absent():
+    """The kernel's seven tensor arguments in its order (the front-end and the model's pinned
+    launcher both take them from here): the output, the sums with the residual add only, the grid
+    of column and row tiles, and where an input is absent a tensor that kernel does not read."""
+    config = StagedConfig(32, 512, 64)
+    x, w = torch.zeros(40, 576), torch.zeros(960, 576)
+    nw, pieces = torch.ones(576), torch.ones(40, 18)
+    out, sums, grid, t = sl.launch_tensors(x, w, nw, pieces, None, 960, config)
+    assert out.shape == (40, 960) and sums is None and grid == (30, -(-40 // sl.BLOCK_M))
+    assert [a is b for a, b in zip(t, (x, w, nw, pieces, x, out, out))] == [True] * 7
+    w, add = torch.zeros(576, 576), torch.zeros(40, 576)
+    out, sums, grid, t = sl.launch_tensors(x, w, None, None, add, 576, config)
+    assert sums.shape == (40, 18) and sums.dtype == torch.float32 and grid[0] == 18
+    assert [a is b for a, b in zip(t, (x, w, x, out, add, out, sums))] == [True] * 7
+
+
 @pytest.mark.cuda
 def test_no_rows_launch_nothing():
     x, w = _tensors(M=0, N=64, K=128, dtype=torch.bfloat16)

@@ -471,13 +471,8 @@ class FusedLayerOps:
         if launch is None:
             return None
         config, launch = launch
-        M = x.size(0)
-        out = x.new_empty(M, N)
-        col_tiles = -(-N // config.BLOCK_N)
-        sums_out = None if add is None else torch.empty(M, col_tiles, dtype=torch.float32, device=x.device)
-        launch((col_tiles, -(-M // sl.BLOCK_M)), x, weight, x if norm_weight is None else norm_weight,
-               out if sum_sq is None else sum_sq, x if add is None else add, out,
-               out if sums_out is None else sums_out, M)
+        out, sums_out, grid, tensors = sl.launch_tensors(x, weight, norm_weight, sum_sq, add, N, config)
+        launch(grid, *tensors, x.size(0))
         return out, x, sums_out
 
 

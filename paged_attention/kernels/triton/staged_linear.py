@@ -253,6 +253,21 @@ def kernel_constants(N: int, K: int, config: StagedConfig, *, norm: bool, silu_a
                 **_pdl.launch_options(pdl_on))
 
 
+def launch_tensors(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+                   sum_sq: torch.Tensor | None, add: torch.Tensor | None, N: int, config: StagedConfig
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int], tuple[torch.Tensor, ...]]:
+    """``(out, sums, grid, tensors)`` of one launch: its output ``[M, N]``, the rows' sums of squares
+    in pieces (with ``add``, else None), the grid, and the kernel's seven tensor arguments in order,
+    where an absent one's place is taken by a tensor the kernel then does not read."""
+    M = x.size(0)
+    out = x.new_empty(M, N)
+    col_tiles = cdiv(N, config.BLOCK_N)
+    sums = None if add is None else torch.empty(M, col_tiles, dtype=torch.float32, device=x.device)
+    tensors = (x, weight, x if norm_weight is None else norm_weight, out if sum_sq is None else sum_sq,
+               x if add is None else add, out, out if sums is None else sums)
+    return out, sums, (col_tiles, cdiv(M, BLOCK_M)), tensors
+
+
 def staged_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                   sum_sq: torch.Tensor | None = None, eps: float = 1e-6, act: str | None = None,
                   add: torch.Tensor | None = None, pdl: bool = False
@@ -307,16 +322,13 @@ def staged_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.T
                          f"both multiples of {COPY}, within the shared memory)")
     norm = norm_weight is not None
     pdl_on = args.flag("pdl", pdl) and _pdl.enabled(x.device)
-    out = x.new_empty(M, N)
-    col_tiles = cdiv(N, config.BLOCK_N)
-    sums = torch.empty(M, col_tiles, dtype=torch.float32, device=x.device) if add is not None else None
+    out, sums, grid, tensors = launch_tensors(x, weight, norm_weight, sum_sq, add, N, config)
     if M:
         constants = kernel_constants(N, K, config, norm=norm, silu_and_mul=silu, add=add is not None,
                                      num_sums=sum_sq.size(1) if norm else 1, pdl_on=pdl_on)
-        _staged_linear_kernel[(col_tiles, cdiv(M, BLOCK_M))](
-            x, weight, norm_weight if norm else x, sum_sq if norm else out, add if add is not None else x, out,
-            sums if sums is not None else out, M, float(eps), sum_sq.size(1) if norm else 1, **constants)
+        _staged_linear_kernel[grid](*tensors, M, float(eps), sum_sq.size(1) if norm else 1, **constants)
     return out, sums
 
 
-__all__ = ["COPY", "BLOCK_M", "StagedConfig", "split_k", "supported", "kernel_constants", "staged_linear"]
+__all__ = ["COPY", "BLOCK_M", "StagedConfig", "split_k", "supported", "kernel_constants", "launch_tensors",
+           "staged_linear"]
