@@ -101,8 +101,8 @@ class _EagerGraphs(StepGraphs):
         return forward()
 
 
-def _generate_recording_slots(model: LlamaForCausalLM, llm: LLM, ps: list[list[int]]):
-    """``llm``'s greedy tokens for ``ps``, and the slot mapping of every layer call (copies)."""
+def _generate_recording_slots(model: LlamaForCausalLM, llm: LLM, ps: list[list[int]], params=GREEDY):
+    """``llm``'s tokens for ``ps`` (greedy by default), and the slot mapping of every layer call (copies)."""
     writes = []
     write = model.ops.rope_and_cache
 
@@ -111,7 +111,7 @@ def _generate_recording_slots(model: LlamaForCausalLM, llm: LLM, ps: list[list[i
         return write(qkv, rope, kv_cache, slot_mapping)
     model.ops.rope_and_cache = spy
     try:
-        return tokens(llm.generate(ps, GREEDY, use_tqdm=False)), writes
+        return tokens(llm.generate(ps, params, use_tqdm=False)), writes
     finally:
         del model.ops.rope_and_cache
 
@@ -132,6 +132,43 @@ def test_padded_decode_batches_change_no_token_and_write_nothing(model, block_ta
     assert {k[0] for k in graphs.seen} == {8}                              # 5 requests in a batch of 8
     decode_slots = [s for s in writes if s.numel() == 8]
     assert decode_slots and all((s[5:] == PAD_SLOT_ID).all() and (s[:5] >= 0).all() for s in decode_slots)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_decode_graphs_that_copy_and_gather_their_inputs_give_the_same_tokens(model, greedy):
+    """On a GPU a decode graph copies its packed inputs, gathers the tables' rows over the padded
+    batch (padding requests bring no token: no slot written) and, greedy, copies its tokens out,
+    reading and writing the pinned buffers of the turns it was captured in (keys carry them).
+    Here the same path runs eagerly, with two host buffers and a device buffer of their own:
+    the same tokens as unpadded, whichever turn a step falls on, requests finishing mid-batch."""
+    ps = prompts(5, seed=24)
+    params = [SamplingParams(temperature=0 if greedy else 1.0, seed=i, max_tokens=8 + 2 * i, ignore_eos=True)
+              for i in range(5)]
+    kw = dict(num_gpu_blocks=64, max_num_seqs=8, block_tables="v2", max_model_len=128, max_num_batched_tokens=256)
+    want = tokens(LLM(model, **kw).generate(ps, params, use_tqdm=False))
+    padded = LLM(model, **kw)
+    runner = padded.engine.runner
+    runner.graphs = graphs = _EagerGraphs(8, 256)
+    bufs = runner.buffers
+    bufs.host = [bufs.host[0], torch.zeros_like(bufs.host[0])]
+    bufs.host_np = [h.numpy() for h in bufs.host]
+    bufs.device, bufs._views, bufs._copies, bufs._layouts = torch.zeros_like(bufs.host[0]), {}, {}, [None, None]
+    runner._inputs_in_graph = True
+    got, writes = _generate_recording_slots(model, padded, ps, params)
+    assert got == want
+    decode_keys = [k for k in graphs.seen if k[2] == 1]
+    if greedy:
+        assert {k[4:] for k in decode_keys} == {(0, "greedy", 0), (1, "greedy", 1)}
+    else:
+        assert {k[4:] for k in decode_keys} == {(0,), (1,)}
+    per_step = writes[::model.config.num_hidden_layers]
+    assert len(per_step) == len(padded.engine.step_stats)
+    padding = set()
+    for s, slots in zip(padded.engine.step_stats, per_step):
+        if s.decode_only:
+            assert (slots[:s.num_reqs] >= 0).all() and (slots[s.num_reqs:] == PAD_SLOT_ID).all()
+            padding.add(slots.numel() - s.num_reqs)
+    assert len(padding) > 1                 # batches of 5, 4, 3, ... requests: 3 padding rows, none, 1, ...
 
 
 @pytest.mark.parametrize("block_tables", ["v1", "v2"])

@@ -26,7 +26,10 @@ padded up:
 The decode kernel sizes its split of long contexts by the batch's ``max_seq_len``, a Python int
 fixed at capture, so keys carry it too, rounded up to a power of two (at least 256) by the
 runner: a short context does not pay for a split sized for the longest one. A graph ends at the
-final hidden states, or, for a greedy batch, at the sampled tokens (the runner's choice).
+final hidden states, or, for a greedy batch, at the sampled tokens (the runner's choice). On a
+GPU a decode graph also begins with the copy of its inputs from a pinned buffer and the tables'
+gather, and a greedy one ends with the copy of its tokens to another: the runner keys it by those
+buffers too (two of each, used in turn).
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def token_bucket(num_tokens: int) -> int:
 
 class StepGraphs:
     """CUDA graphs of the model's steps, keyed by ``(requests, tokens, longest query,
-    max_seq_len bucket)`` padded, plus what the runner adds (its greedy variant)."""
+    max_seq_len bucket)`` padded, plus what the runner adds (its greedy variant, its buffers' turns)."""
 
     def __init__(self, max_num_seqs: int, max_num_tokens: int, max_model_len: int, device: torch.device,
                  max_mixed: int = 32) -> None:

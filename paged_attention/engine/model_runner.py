@@ -22,14 +22,15 @@ vLLM's model runner v2 (``vllm/v1/worker/gpu/model_runner.py``) in a few hundred
 4. **Sample** one token per request on the device, store it as the request's last sampled token
    (the next step's input), and copy the tokens to pinned host memory behind a CUDA event (a
    kernel that writes them there through UVA). The caller reads them (``get_output``) when it
-   needs them: to check stops and detokenize. A greedy decode batch samples inside its graph
-   (the output projection, the argmax and the store are captured with the model): the host
-   launches one replay and one copy a step.
+   needs them: to check stops and detokenize. A decode batch's graph also holds the copy of its
+   inputs and the tables' gather, and a greedy one samples inside it too (the output
+   projection, the argmax, the store and the copy out): the host launches one replay a step.
 
 Without CUDA the same code runs on the CPU (no graphs, no events, copies are plain copies).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import time
@@ -198,6 +199,16 @@ class InputBuffers:
         b, t = num_reqs, num_tokens
         return 0, b, 2 * b + 1, 3 * b + 1, 3 * b + 1 + t, 3 * b + 1 + 2 * t, 3 * b + 1 + 3 * t
 
+    @property
+    def turn(self) -> int:
+        """Which pinned buffer the step being prepared is packed into."""
+        return self._turn
+
+    @property
+    def uva_copies(self) -> bool:
+        """Whether ``copy`` is a kernel reading the pinned buffer through UVA (a graph can hold it)."""
+        return self._uva is not None
+
     def next_host(self) -> np.ndarray:
         self._turn = (self._turn + 1) % len(self.host)
         return self.host_np[self._turn]
@@ -259,7 +270,7 @@ class StepInputs:
     token_rows: torch.Tensor
     idx_np: np.ndarray
     samples: Optional[np.ndarray]    # which requests sample (None: all); a prefill chunk that stops short does not
-    batch: ForwardBatch
+    batch: Optional[ForwardBatch]    # None: a decode graph's step, whose graph copies and gathers its inputs
     graph_key: Optional[tuple]
 
 
@@ -332,6 +343,11 @@ class ModelRunner:
         self._events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._turn = 0
         self.record_gpu_time = record_gpu_time and cuda
+        # A decode graph's step copies its inputs, gathers its tables and (greedy) copies its tokens
+        # out inside the graph, where the input copy reads pinned memory through UVA and the gather
+        # reads only device memory: three launches a step fewer for the host (``_device_step``).
+        self._inputs_in_graph = (self.graphs is not None and self.buffers.uva_copies
+                                 and self.tables.captures_gather)
         self._generators: dict[str, Optional[torch.Generator]] = {}
         # The last batch's request ids and their positions in it, the ``ModelRunnerOutput``'s
         # index: kept while the batch stays the same (``batch_index``).
@@ -492,7 +508,9 @@ class ModelRunner:
             buf[o[0]:o[0] + n] = idx
             buf[o[0] + n:o[1]] = states.pad_row
             if decode_only:
-                buf[o[1]:o[2]] = np.arange(b + 1, dtype=np.int32)
+                # One token a request; padding requests bring none (their slots are PAD_SLOT_ID).
+                buf[o[1]:o[1] + n + 1] = np.arange(n + 1, dtype=np.int32)
+                buf[o[1] + n + 1:o[2]] = n
             else:
                 # A padded batch with prefills: the padding requests bring no token, and the
                 # padding tokens (past the last request's) belong to none.
@@ -508,12 +526,18 @@ class ModelRunner:
             buf[o[5]:o[5] + num_tokens] = rows
             buf[o[5] + num_tokens:o[6]] = states.pad_row
             self.buffers.record_layout(layout)
+        no_kv_write = getattr(so, "no_kv_write_req_ids", None)       # the legacy core's, see there
+        if decode_only and graph_key is not None and self._inputs_in_graph and not no_kv_write:
+            # The copy and the tables' gather go into the decode graph (``_device_step``).
+            self.tables.apply_staged()
+            idx_dev, _, _, pos_dev, ids_dev, rows_dev, idx_n, _, _ = self.buffers.views(b, t, n, num_tokens)
+            return StepInputs(req_ids, n, num_tokens, idx_n, idx_dev, pos_dev, ids_dev, rows_dev, idx, samples,
+                              None, graph_key)
         self.buffers.copy(o[6])
         idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev, idx_n, qsl_n, pos_n = self.buffers.views(
             b, t, n, num_tokens)
 
         block_tables, slot_mapping = self.tables.prepare(idx_n, qsl_n, pos_n, rows, positions, b, t)
-        no_kv_write = getattr(so, "no_kv_write_req_ids", None)       # the legacy core's, see there
         if no_kv_write:
             at = [int(buf[o[1] + i]) for i, r in enumerate(req_ids) if r in no_kv_write]
             slot_mapping[torch.tensor(at, device=self.device)] = PAD_SLOT_ID
@@ -552,7 +576,20 @@ class ModelRunner:
         t1 = time.perf_counter()
         n = inputs.num_reqs
         greedy = self.states.all_greedy(inputs.idx_np)
-        if inputs.graph_key is not None and greedy:
+        if inputs.batch is None:
+            # A decode graph that copies and gathers its inputs; a greedy one copies its tokens out
+            # too. A graph reads and writes the pinned buffers of the turns it was captured in.
+            turn_in = self.buffers.turn
+            turn_out = (self._turn + 1) % len(self._sampled_host) if greedy else None
+            key = inputs.graph_key + ((turn_in, "greedy", turn_out) if greedy else (turn_in,))
+            out = self.graphs.run(key, lambda: self._device_step(inputs, turn_out))
+            t2 = time.perf_counter()
+            if greedy:
+                self._turn = turn_out
+                tokens = self._host_views(turn_out, n)[0]
+            else:
+                tokens = self._to_host(self._sample(self._first_rows(key, out, n), inputs, greedy), n)
+        elif inputs.graph_key is not None and greedy:
             # A greedy step is one graph from the inputs to the tokens: the model, the output
             # projection, the argmax and each request's last token kept on the device.
             key = inputs.graph_key + ("greedy",)
@@ -566,7 +603,8 @@ class ModelRunner:
                 hidden = self._forward(inputs)
             t2 = time.perf_counter()
             sampled = self._sample(hidden, inputs, greedy)
-        tokens = self._to_host(sampled, n)
+        if inputs.batch is not None:
+            tokens = self._to_host(sampled, n)
         if events is not None:
             events[1].record()
         out = RunnerOutput(inputs.req_ids, tokens, self._event(), decode_only=inputs.num_tokens == n,
@@ -584,6 +622,23 @@ class ModelRunner:
         if made is None or made[0] is not out:
             made = self._row_views[key, n] = (out, out[:n])
         return made[1]
+
+    def _device_step(self, inputs: StepInputs, turn_out: Optional[int]) -> torch.Tensor:
+        """A decode graph's step from its packed inputs (``prepare_inputs`` left them in the pinned
+        buffer): the copy, the tables' gather over the padded batch, the model, and with
+        ``turn_out`` (greedy) the tokens, every padded row's, copied to that turn's pinned buffer.
+        Returns the hidden states, or (greedy) the tokens."""
+        b, t, _, max_seq_len = inputs.graph_key[:4]
+        self.buffers.copy(InputBuffers.offsets(b, t)[-1])
+        _, qsl, seq_lens, *_ = self.buffers.views(b, t)
+        block_tables, slot_mapping = self.tables.gather_padded(inputs.idx_padded, qsl, inputs.positions)
+        batch = ForwardBatch(qsl, seq_lens, block_tables, slot_mapping, max_query_len=1, max_seq_len=max_seq_len)
+        inputs = dataclasses.replace(inputs, batch=batch)
+        if turn_out is None:
+            return self._forward(inputs)
+        sampled = self._forward_greedy(inputs)
+        self._copy_out(sampled, turn_out, b)
+        return sampled
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         ids = self.input_ids(inputs.token_ids, inputs.token_rows)
@@ -611,14 +666,22 @@ class ModelRunner:
         states.last_sampled[inputs.idx_mapping] = sampled.to(torch.int32)
         return sampled
 
+    def _host_views(self, turn: int, n: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The first ``n`` tokens of turn ``turn``'s pinned buffer: on the host, and (UVA) on the device."""
+        views = self._sampled_views.get((turn, n))
+        if views is None:                       # (at most 2 * max_num_reqs views, made once)
+            uva = self._sampled_uva[turn].uva[:n] if self._sampled_uva is not None else None
+            views = self._sampled_views[turn, n] = (self._sampled_host[turn][:n], uva)
+        return views
+
     def _to_host(self, sampled: torch.Tensor, n: int) -> torch.Tensor:
         """Queue the copy of a step's tokens to pinned host memory (read after the step's event)."""
         self._turn = (self._turn + 1) % len(self._sampled_host)
-        views = self._sampled_views.get((self._turn, n))
-        if views is None:                       # (at most 2 * max_num_reqs views, made once)
-            uva = self._sampled_uva[self._turn].uva[:n] if self._sampled_uva is not None else None
-            views = self._sampled_views[self._turn, n] = (self._sampled_host[self._turn][:n], uva)
-        host, uva = views
+        return self._copy_out(sampled, self._turn, n)
+
+    def _copy_out(self, sampled: torch.Tensor, turn: int, n: int) -> torch.Tensor:
+        """Queue the copy of ``n`` tokens to turn ``turn``'s pinned buffer; its host view."""
+        host, uva = self._host_views(turn, n)
         if uva is not None:
             if sampled.dtype != torch.int64 or not sampled.is_contiguous():     # (the copy is flat, int64)
                 sampled = sampled.to(torch.int64).contiguous()

@@ -40,6 +40,8 @@ class V2StepTables:
         self.tables = make_block_tables([block_size], max_num_reqs, max_num_batched_tokens, max_model_len, device,
                                         impl=impl)
         self._fused = hasattr(self.tables, "gather_and_compute_slot_mappings")
+        # Whether a decode step's gather can be captured in its CUDA graph (``gather_padded``).
+        self.captures_gather = self._fused
 
     def set_row(self, row: int, block_ids: list[int], overwrite: bool) -> None:
         """Row ``row`` gets ``block_ids`` after its current ids, or instead of them (``overwrite``)."""
@@ -55,6 +57,23 @@ class V2StepTables:
             self.set_row(int(rows[0]), block_ids[0], overwrite)
         else:
             self.tables.append_block_ids_batch(rows, [(ids,) for ids in block_ids], overwrite=overwrite)
+
+    def apply_staged(self) -> None:
+        """Apply the block ids staged since the last step (nothing to launch when none were)."""
+        self.tables.apply_staged_writes()
+
+    def gather_padded(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prepare``'s gather for a batch given padded (``captures_gather``), one launch that reads
+        only device memory, so that a decode step's CUDA graph can hold it: ``idx_mapping`` has a
+        row per padded request (the padding ones out of the tables' range: their gathered rows
+        are left as they were, and read one key), ``query_start_loc`` rises to the real token
+        count and stays there (padding requests bring no token: their slots are ``PAD_SLOT_ID``).
+        The staged block ids must have been applied (``apply_staged``)."""
+        (tables,), slots = self.tables.gather_and_compute_slot_mappings(
+            idx_mapping, query_start_loc, positions, num_reqs_padded=idx_mapping.numel(),
+            num_tokens_padded=positions.numel(), check=False)
+        return tables, slots[0]
 
     def reset(self) -> None:
         """Drop writes staged but not applied (a step that failed half-way)."""
@@ -92,6 +111,7 @@ class V1StepTables:
         self._batch_tables = torch.zeros(max_num_reqs, width, dtype=torch.int32, device=device)
         self._slots = torch.full((max_num_batched_tokens,), PAD_SLOT_ID, dtype=torch.int64, device=device)
         self._rows_used = 0          # rows 0 .. _rows_used-1 may hold ids: what a commit copies
+        self.captures_gather = False  # the rows are committed from the host every step
 
     def set_row(self, row: int, block_ids: list[int], overwrite: bool) -> None:
         (self.table.add_row if overwrite else self.table.append_row)(block_ids, row)
