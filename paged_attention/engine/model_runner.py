@@ -526,16 +526,16 @@ class ModelRunner:
             buf[o[5]:o[5] + num_tokens] = rows
             buf[o[5] + num_tokens:o[6]] = states.pad_row
             self.buffers.record_layout(layout)
+        idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev, idx_n, qsl_n, pos_n = self.buffers.views(
+            b, t, n, num_tokens)
         no_kv_write = getattr(so, "no_kv_write_req_ids", None)       # the legacy core's, see there
         if decode_only and graph_key is not None and self._inputs_in_graph and not no_kv_write:
-            # The copy and the tables' gather go into the decode graph (``_device_step``).
+            # The copy and the tables' gather go into the decode graph (``_device_step``), which
+            # reads and writes these views' addresses at every replay.
             self.tables.apply_staged()
-            idx_dev, _, _, pos_dev, ids_dev, rows_dev, idx_n, _, _ = self.buffers.views(b, t, n, num_tokens)
             return StepInputs(req_ids, n, num_tokens, idx_n, idx_dev, pos_dev, ids_dev, rows_dev, idx, samples,
                               None, graph_key)
         self.buffers.copy(o[6])
-        idx_dev, qsl_dev, seq_lens_dev, pos_dev, ids_dev, rows_dev, idx_n, qsl_n, pos_n = self.buffers.views(
-            b, t, n, num_tokens)
 
         block_tables, slot_mapping = self.tables.prepare(idx_n, qsl_n, pos_n, rows, positions, b, t)
         if no_kv_write:
