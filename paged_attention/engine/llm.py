@@ -207,13 +207,19 @@ class LLM:
         # many prompts is checked and copied once, with its first prompt (so the errors come in
         # the same order as checking each request whole); the prompts after share its copy.
         # A token-id prompt (no text) is a list of plain ints by now (_encode saw to it), so
-        # the prompts after the first are not counted again.
+        # the prompts after the first are not counted again. A params object equal, field by
+        # field, to the one checked just before it (a list of identical params, one per prompt)
+        # would get an equal copy and the same errors: it shares that copy.
         engine, checked = self.engine, {}
+        last, last_copy = None, None
         for (token_ids, text), p in zip(encoded, params):
+            if id(p) not in checked and last is not None and _same_fields(p, last):
+                checked[id(p)] = last_copy
             if id(p) in checked:
                 engine._check_with_params(token_ids, checked[id(p)], plain_ints=text is None)
             else:
                 checked[id(p)] = engine.check_request(token_ids, p)
+                last, last_copy = p, checked[id(p)]
         return self._run(encoded, [checked[id(p)] for p in params], use_tqdm)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
@@ -318,6 +324,16 @@ class LLM:
             engine.abort_all("generate() was interrupted")
             raise
         return [outputs[i] for i in ids]
+
+
+def _same_fields(params: SamplingParams, other: SamplingParams) -> bool:
+    """Whether two params objects hold equal fields (and are of one class), so that checking one
+    gives what checking the other gave. A field that cannot say (a numpy array's ``==``) counts
+    as different."""
+    try:
+        return type(params) is type(other) and bool(params.__dict__ == other.__dict__)
+    except Exception:
+        return False
 
 
 def _memory_bytes(device: torch.device) -> Optional[int]:
