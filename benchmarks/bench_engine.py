@@ -189,8 +189,10 @@ def main() -> int:
             f"{e['cuda_graph_steps']:>3}/{e['decode_steps']:<3} {dynamic:>12.0f} {static:>10.0f} "
             f"{row['ratio_to_best_hf']:>13.1f}x")
         if opts.repeats > 1:
+            other = [r.get("other_ms") for r in runs["engine"]]
             log("         rounds, tok/s: " + "; ".join(
-                f"{side} " + " ".join(f"{t:.0f}" for t in row[f"{side}_tokens_per_s"]) for side in runs))
+                f"{side} " + " ".join(f"{t:.0f}" for t in row[f"{side}_tokens_per_s"]) for side in runs)
+                + ("" if None in other else "; engine ms outside decode steps " + " ".join(f"{x:.1f}" for x in other)))
         save()
     _free(hf)
 

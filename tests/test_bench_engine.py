@@ -37,6 +37,9 @@ def test_smoke_run_prints_and_writes_every_figure(tmp_path):
         assert row["ratio_to_best_hf"] == e["tokens_per_s"] / row["hf_dynamic"]["tokens_per_s"]
         assert e["num_tokens"] == row["hf_dynamic"]["num_tokens"] == 4 * row["requests"]
         assert e["core"] == "v1" and e["async_scheduling"] and e["python_us_per_seq"] > 0
+        # Outside the decode steps: at least the prefill step, and less than the whole call.
+        assert 0 < e["other_ms"] < 1e3 * e["seconds"]
+        assert e["other_ms"] + e["decode_steps"] * e["ms_per_decode_step"] == pytest.approx(1e3 * e["seconds"])
     nano = results["nano"]["engine"]
     assert results["nano"]["requests"] == 3 and 12 <= nano["num_tokens"] <= 36
     abl = results["ablation"]["rows"]
@@ -47,6 +50,7 @@ def test_smoke_run_prints_and_writes_every_figure(tmp_path):
     assert results["memory"]["paged"] > results["memory"]["contiguous"]
     log = (tmp_path / "bench_engine.log").read_text()
     assert "engine tok/s" in log and "nano-vllm workload" in log and "ablation" in log and "rounds, tok/s" in log
+    assert "engine ms outside decode steps" in log
     assert "engine tok/s" in done.stdout
 
 

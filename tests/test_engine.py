@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,6 +203,40 @@ def test_params_shared_by_prompts_keep_their_own_stops(model, kw):
     assert tokens(llm.generate([p, p], changing, use_tqdm=False)) == [free, free]
     changing.stop_token_ids = [stop]
     assert tokens(llm.generate([p, p], changing, use_tqdm=False)) == [cut, cut]
+
+
+def test_equal_params_objects_share_one_check(model):
+    """A list of equal params objects (one per prompt, as a benchmark builds them) is checked
+    once per run of equal neighbours; params that differ, however slightly, get their own check
+    and keep their own stops; fields ``==`` cannot compare (numpy arrays) count as different."""
+    p = prompts(1, seed=3)[0]
+    llm = engine(model)
+    free = tokens(llm.generate(p, GREEDY, use_tqdm=False))[0]
+    stop = free[4]
+    cut = free[:free.index(stop) + 1]
+
+    def params(**kw):
+        return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kw)
+
+    calls, check = [], llm.engine.check_request
+    llm.engine.check_request = lambda ids, sp: calls.append(sp) or check(ids, sp)
+    never = next(t for t in range(100, 1000) if t not in free)
+    given = [params(stop_token_ids=[stop]), params(stop_token_ids=[stop]), params(), params(),
+             params(stop_token_ids=[stop]), params(stop_token_ids=[never])]
+    assert tokens(llm.generate([p] * 6, given, use_tqdm=False)) == [cut, cut, free, free, cut, free]
+    assert [c is g for c, g in zip(calls, [given[0], given[2], given[4], given[5]])] == [True] * 4 and len(calls) == 4
+    calls.clear()
+    arrays = [params(), params()]
+    for sp in arrays:
+        sp.stop_token_ids = np.array([stop, never])     # set after construction: not normalised yet
+    assert tokens(llm.generate([p] * 2, arrays, use_tqdm=False)) == [cut, cut] and len(calls) == 2
+    # A bad params object equal to a good one checked before it cannot exist (the check sees
+    # the same fields); one after a good one is refused as it would be alone, nothing queued.
+    bad = params()
+    bad.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([p] * 2, [params(), bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_context_length_ends_a_request(model):

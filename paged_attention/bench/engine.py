@@ -161,6 +161,9 @@ def run_engine(llm, prompts: list[list[int]], max_tokens: Union[int, list[int]],
         "tokens_per_s": num_tokens / seconds, "seconds": seconds, "num_tokens": num_tokens,
         "steps": len(steps), "decode_steps": len(decodes), "ms_per_step": 1e3 * seconds / max(1, len(steps)),
         "ms_per_decode_step": 1e3 * statistics.mean(s.total for s in decodes),
+        # The call's time outside its decode steps (the requests queued, the prefill steps, the
+        # end): where a round that differs from its neighbours usually differs.
+        "other_ms": 1e3 * (seconds - sum(s.total for s in decodes)) if decodes is not steps else None,
         "cuda_graph_steps": sum(s.cuda_graph for s in decodes),
         "mean_running": statistics.mean(s.num_reqs for s in steps),
         "max_running": max(s.num_reqs for s in steps),
