@@ -15,7 +15,8 @@ One process runs, in order:
    the GPU's idle time between decode steps as a share of the step (CUDA events). Each of the
    three is timed ``--repeats`` times, taking turns (other prompts each round), and each one's
    median run is reported: a host's slow stretch (these machines have them, lasting seconds)
-   then lands on one round of one side, not on the figure;
+   then lands on one or two rounds of one side, not on the figure (five rounds by default: with
+   three, two slow rounds of one side in a run had made its figure);
 2. nano-vllm's workload: 256 requests, prompt and output lengths random in 100..1024;
 3. the ablation at 256 requests: V0 synchronous, then V1, then async scheduling, then CUDA
    graphs, each adding one thing: tokens/s and where a decode step's time goes;
@@ -76,7 +77,7 @@ def main() -> int:
     parser.add_argument("--requests", default="1,16,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="rounds of part 1 (engine, dynamic, static in turn); each side's median run is reported")
     parser.add_argument("--core", choices=("v1", "v0"), default="v1", help="the engine's core for parts 1 and 2")
     parser.add_argument("--no-async", action="store_true", help="synchronous scheduling (V0 always is)")

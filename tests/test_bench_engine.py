@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_smoke_run_prints_and_writes_every_figure(tmp_path):
     # One thread: a tiny run, and a busy shared CPU makes torch's thread pool wait for its threads.
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--smoke", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--smoke", "--repeats",
+                           "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "PAGED_ATTENTION_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "bench_engine.json").read_text())
