@@ -102,6 +102,7 @@ def main() -> int:
 
     from paged_attention.bench.engine import (kv_capacity, load_transformers, make_prompts, random_workload,
                                               run_ablation, run_engine, run_transformers)
+    from paged_attention.bench.timing import cpu_name, host_probe_us
     from paged_attention.engine import LLM
 
     started = time.perf_counter()
@@ -142,6 +143,9 @@ def main() -> int:
         f"prompts of {opts.prompt_len} tokens, {opts.max_tokens} new tokens each; engine: core {opts.core}, "
         f"async {engine_kw['async_scheduling'] is not False}, graphs {not opts.no_graphs}, "
         f"tables {opts.block_tables}")
+    results["host"] = {"cpu": cpu_name(), "probe_us": host_probe_us()}
+    log(f"# host: {results['host']['cpu']}; a pure-Python probe (256 objects' attributes and a dict, "
+        f"the best of five) takes {results['host']['probe_us']:.1f} us, measured again before every engine round")
 
     llm = LLM(**base_kw, **engine_kw)
     model, tokenizer, config = llm.model, llm.tokenizer, llm.config
@@ -164,10 +168,12 @@ def main() -> int:
         if not in_time(f"{n} requests"):
             continue
         runs: dict[str, list] = {}
+        probes = []
         for r in range(opts.repeats):
             # Other prompts each round (none a prefix-cache hit of the round before); both
             # sides get the same ones.
             prompts = make_prompts(n, opts.prompt_len, config.vocab_size, seed=n + 7919 * r)
+            probes.append(host_probe_us())
             runs.setdefault("engine", []).append(run_engine(llm, prompts, opts.max_tokens))
             if hf is not None:
                 runs.setdefault("hf_dynamic", []).append(run_transformers(hf, prompts, opts.max_tokens,
@@ -175,7 +181,7 @@ def main() -> int:
                 if not opts.skip_static:
                     runs.setdefault("hf_static", []).append(run_transformers(hf, prompts, opts.max_tokens, "static",
                                                                              warm_up=r == 0))
-        row = {"requests": n, "repeats": opts.repeats}
+        row = {"requests": n, "repeats": opts.repeats, "host_probe_us": probes}
         for side, done in runs.items():
             row[side] = median_run(done)
             row[f"{side}_tokens_per_s"] = [d["tokens_per_s"] for d in done]
@@ -193,7 +199,8 @@ def main() -> int:
             other = [r.get("other_ms") for r in runs["engine"]]
             log("         rounds, tok/s: " + "; ".join(
                 f"{side} " + " ".join(f"{t:.0f}" for t in row[f"{side}_tokens_per_s"]) for side in runs)
-                + ("" if None in other else "; engine ms outside decode steps " + " ".join(f"{x:.1f}" for x in other)))
+                + ("" if None in other else "; engine ms outside decode steps " + " ".join(f"{x:.1f}" for x in other))
+                + "; host probe us " + " ".join(f"{x:.1f}" for x in probes))
         save()
     _free(hf)
 

@@ -40,6 +40,9 @@ def test_smoke_run_prints_and_writes_every_figure(tmp_path):
         # Outside the decode steps: at least the prefill step, and less than the whole call.
         assert 0 < e["other_ms"] < 1e3 * e["seconds"]
         assert e["other_ms"] + e["decode_steps"] * e["ms_per_decode_step"] == pytest.approx(1e3 * e["seconds"])
+        # The host's speed, probed before each engine round.
+        assert len(row["host_probe_us"]) == 3 and all(p > 0 for p in row["host_probe_us"])
+    assert results["host"]["probe_us"] > 0 and results["host"]["cpu"]
     nano = results["nano"]["engine"]
     assert results["nano"]["requests"] == 3 and 12 <= nano["num_tokens"] <= 36
     abl = results["ablation"]["rows"]
@@ -50,8 +53,30 @@ def test_smoke_run_prints_and_writes_every_figure(tmp_path):
     assert results["memory"]["paged"] > results["memory"]["contiguous"]
     log = (tmp_path / "bench_engine.log").read_text()
     assert "engine tok/s" in log and "nano-vllm workload" in log and "ablation" in log and "rounds, tok/s" in log
-    assert "engine ms outside decode steps" in log
+    assert "engine ms outside decode steps" in log and "host probe us" in log and "# host: " in log
     assert "engine tok/s" in done.stdout
+
+
+def test_host_probe_times_its_work(monkeypatch):
+    """The probe runs its fixed work (each object's count moves by the number of calls it timed)
+    and reports microseconds per call of it."""
+    from paged_attention.bench import timing
+
+    calls = []
+    real = timing.best_us
+
+    def spy(fn, min_time=0.02, repeat=5):
+        before = timing._PROBE_ITEMS[0].count
+        us = real(fn, min_time=min_time, repeat=repeat)
+        calls.append(timing._PROBE_ITEMS[0].count - before)
+        return us
+
+    monkeypatch.setattr(timing, "best_us", spy)
+    us = timing.host_probe_us()
+    assert len(calls) == 1 and calls[0] >= 5          # at least one call in each of five batches
+    assert all(item.count == timing._PROBE_ITEMS[0].count for item in timing._PROBE_ITEMS)
+    assert timing._PROBE_TABLE["req-255"] == timing._PROBE_ITEMS[255].count
+    assert 0 < us < 1e5
 
 
 def test_kv_capacity_by_hand():

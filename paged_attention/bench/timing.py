@@ -5,7 +5,8 @@ Which one to read depends on the question. ``time_ms``/``graph_time_ms`` (events
 L2 flushed before it, by writing or by reading) time bandwidth-bound kernels such as decode
 attention. ``gpu_us`` (``triton.testing.do_bench``), ``graph_us``, ``hot_us`` and ``queued_us`` time
 small latency-bound kernels, with or without Python's launch work in the span; ``host_us`` is that
-launch work alone; ``wall_us`` a whole step, host work included; ``best_us`` host-only code.
+launch work alone; ``wall_us`` a whole step, host work included; ``best_us`` host-only code;
+``host_probe_us`` how fast the host runs Python at the moment.
 """
 from __future__ import annotations
 
@@ -226,3 +227,30 @@ def best_us(fn: Callable[[], object], min_time: float = 0.02, repeat: int = 5) -
             fn()
         best = min(best, time.perf_counter() - start)
     return best / number * 1e6
+
+
+class _ProbeItem:
+    __slots__ = ("count", "key")
+
+    def __init__(self, key: str) -> None:
+        self.count, self.key = 0, key
+
+
+_PROBE_ITEMS = [_ProbeItem(f"req-{i}") for i in range(256)]
+_PROBE_TABLE: dict[str, int] = {}
+
+
+def _probe_work() -> None:
+    for item in _PROBE_ITEMS:
+        item.count += 1
+        _PROBE_TABLE[item.key] = item.count
+
+
+def host_probe_us() -> float:
+    """Microseconds this host takes for a fixed piece of pure Python: for each of 256 objects an
+    attribute read, an increment and a dict write (an engine step's work per request, in
+    miniature), the best of five batches (``best_us``). The engine benchmark prints it beside its
+    rounds: the GPU machines' hosts change speed from process to process (by about 1.8x on one
+    H200 machine, the same code on the same core), and the host's speed decides whether a
+    256-request decode step waits for the GPU or for the host."""
+    return best_us(_probe_work, min_time=0.01)
