@@ -619,6 +619,32 @@ def test_cuda_graph_decode_equals_eager(kw):
 
 
 @pytest.mark.cuda
+def test_gpu_idle_time_includes_the_hosts_preparation():
+    """The GPU's idle time between decode steps counts a GPU waiting for the host to prepare the
+    next step: with every preparation 20 ms longer (the GPU's step of this tiny model takes well
+    under a millisecond), each gap is at least those 20 ms and the steps' busy time stays short.
+    A start event recorded before the preparation would count the 20 ms as busy instead."""
+    import time
+
+    from paged_attention.bench.engine import gpu_timeline
+    llm = engine(tiny_model("triton", runtime.DEVICE), cuda_graphs=True, record_gpu_time=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts(2), params, use_tqdm=False)          # graphs captured, kernels compiled
+    runner, prepare = llm.engine.runner, llm.engine.runner.prepare_inputs
+
+    def slow_prepare(so):
+        time.sleep(0.02)
+        return prepare(so)
+
+    runner.prepare_inputs = slow_prepare
+    first = len(llm.engine.step_stats)
+    llm.generate(prompts(2, seed=1), params, use_tqdm=False)
+    timeline = gpu_timeline([s for s in llm.engine.step_stats[first:] if s.decode_only])
+    assert timeline is not None
+    assert timeline["gpu_idle_ms"] >= 19 and timeline["gpu_busy_ms"] < 10, timeline
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("attention", ["cuda", "vllm"])
 def test_gpu_attention_agrees_with_triton_in_bf16(attention):
     """The same model through another kernel: the first two greedy tokens agree. (bf16 rounds each

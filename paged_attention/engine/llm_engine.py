@@ -63,7 +63,9 @@ class StepStats:
     for the tokens; ``update``: reading the tokens, the core's stop checks and bookkeeping, the
     outputs and these stats. The phases cover the whole of ``LLMEngine.step`` (for a step that
     ran tokens), so ``total`` is the host's time for the step. ``gpu_events``: CUDA events around
-    the step's device work, when the engine records them."""
+    the step's device work, when the engine records them: the first once the host has prepared the
+    step's inputs, so that a GPU waiting for that preparation counts as idle, not busy (the table
+    writes and the input copy it launches, microseconds of GPU work, fall before it)."""
 
     step: int
     num_reqs: int

@@ -568,11 +568,11 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return RunnerOutput([], None, None, decode_only=False, cuda_graph=False, num_tokens=0,
                                 prepare=time.perf_counter() - t0, forward=0.0, sample=0.0)
-        events = None
+        inputs = self.prepare_inputs(so)
+        events = None       # (from here: a GPU that waits for the host's preparation is idle, not busy)
         if self.record_gpu_time:
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record()
-        inputs = self.prepare_inputs(so)
         t1 = time.perf_counter()
         n = inputs.num_reqs
         greedy = self.states.all_greedy(inputs.idx_np)
