@@ -19,10 +19,14 @@ a step, where the kernels before and after it share the GPU and the caches (and 
 ``--tile 'N,K,SILU,M=BM,BN,BK,WARPS,STAGES[,BK2];...'`` replaces ``fused_linear.TUNED``'s entry for
 ``M`` rows of the projection ``(N, K, silu_and_mul)`` (SILU 0 or 1), and ``--decode-launch
 TILE_N,WARPS,STAGES`` gives every decode-attention launch that shape, for this run only: run it
-with and without, alternating, on one warm machine, and compare the GPU busy time a step. Where
-the host is slow, GPU busy moves with it (it counts from an event recorded before the host
-prepares the step's inputs); ``--graph-time`` then times each decode step's CUDA graph where the
-step replays it, against the host's own time a step (``graph_time_table``).
+with and without, alternating, on one warm machine, and compare the GPU busy time a step. (GPU
+busy counts from an event recorded once the host has prepared the step's inputs; before 635d7a1
+it counted from before the preparation, and moved with a slow host.) ``--graph-time`` times each
+decode step's CUDA graph where the step replays it, against the host's own time a step
+(``graph_time_table``). ``--steps`` lists every step of the run: the host's parts, the GPU's busy
+time and its idle gap before the step (``per_step_table``), where the steps that keep the GPU
+waiting show (at 256 requests of one length: the block boundaries, which every request crosses
+at once).
 ``--leave-out gate_up,down,...`` (timing only) runs the decode steps without those parts'
 launches: what a part costs inside a step, where PDL overlaps each kernel with its neighbours.
 
@@ -370,6 +374,24 @@ def graph_time_table(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> str:
     return graph_summary(n, rows)
 
 
+def per_step_table(llm: LLM, first: int) -> str:
+    """``--steps``: every step from ``first`` on, one line each: the host's own time and its
+    schedule, prepare and update parts (ms), then the GPU's busy time and its idle gap before the
+    step (CUDA events; blank for a step without them or after a gap in the numbering)."""
+    out = ["    step  reqs tokens   host  sched   prep update   GPU busy  idle before"]
+    prev = None
+    for s in llm.engine.step_stats[first:]:
+        busy = idle = ""
+        if s.gpu_events is not None:
+            busy = f"{s.gpu_events[0].elapsed_time(s.gpu_events[1]):8.3f}"
+            if prev is not None and prev.gpu_events is not None and s.step - prev.step == 1:
+                idle = f"{max(0.0, prev.gpu_events[1].elapsed_time(s.gpu_events[0])):8.3f}"
+        out.append(f"    {s.step:4d} {s.num_reqs:5d} {s.num_tokens:6d} {1e3 * (s.total - s.wait):6.3f} "
+                   f"{1e3 * s.schedule:6.3f} {1e3 * s.prepare:6.3f} {1e3 * s.update:6.3f}   {busy:>8}  {idle:>8}")
+        prev = s
+    return "\n".join(out)
+
+
 def step_table(llm: LLM, first: int, seconds: float) -> str:
     """Where the run's wall time went: the steps' own times against it, the slowest decode steps,
     and every step that was not decode-only (prefills, mixed steps)."""
@@ -408,6 +430,8 @@ def main() -> int:
                         help="also each decode kernel's increment of the step's time (critical_path)")
     parser.add_argument("--graph-time", action="store_true",
                         help="also each decode step's graph timed as the step runs it, against the host")
+    parser.add_argument("--steps", action="store_true",
+                        help="also every step of the run: host parts, GPU busy and the idle gap before it")
     parser.add_argument("--leave-out", default="", help=f"timing only: decode steps without these launches, "
                         f"some of {','.join(LEAVE_OUT)}")
     opts = parser.parse_args()
@@ -443,6 +467,8 @@ def main() -> int:
                 f"GPU busy {e.get('gpu_busy_ms', float('nan')):.3f} ms, idle {100 * e.get('gpu_idle_share', 0):.1f}%; "
                 f"{e['seconds'] * 1e3:.1f} ms in all, {e['steps']} steps")
         line += "\n" + step_table(llm, first, e["seconds"])
+        if opts.steps:
+            line += "\n" + per_step_table(llm, first)
         print(line, flush=True)
         lines.append(line)
         if opts.graph_time:

@@ -283,3 +283,27 @@ def test_profile_engine_graph_time_summarises_decode_steps_by_hand():
     assert "no decode step of 4 requests" in pe.graph_summary(4, [])
     llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(graphs=None)))
     assert "no CUDA graphs" in pe.graph_time_table(llm, 4, 16, 8)
+
+
+def test_profile_engine_per_step_table_by_hand():
+    """``--steps``: a line per step from ``first`` on, the host's own time (its total less the
+    wait) and parts in ms, the GPU's busy time, and the idle gap before a step only where the step
+    before it is the one numbered just before (a step without events has neither)."""
+    pe = _profile_engine()
+
+    def stat(i, events, wait=0.0):
+        parts = dict(schedule=1e-4 * (i + 1), prepare=2e-4, forward=0.0, sample=0.0, wait=wait, update=3e-4)
+        return SimpleNamespace(step=i, num_reqs=4, num_tokens=4, gpu_events=events, total=sum(parts.values()),
+                               **parts)
+
+    steps = [stat(0, None), stat(1, (_Event(0), _Event(2)), wait=5e-3), stat(2, (_Event(2.5), _Event(4))),
+             stat(4, (_Event(9), _Event(10))), stat(5, None)]
+    llm = SimpleNamespace(engine=SimpleNamespace(step_stats=[stat(99, None)] + steps))
+    lines = pe.per_step_table(llm, 1).splitlines()
+    assert len(lines) == 1 + len(steps) and "idle before" in lines[0]
+    cells = [line.split() for line in lines[1:]]
+    assert cells[0] == ["0", "4", "4", "0.600", "0.100", "0.200", "0.300"]          # no events
+    assert cells[1][3] == "0.700" and cells[1][7:] == ["2.000"]                  # the wait left out; no step before with events
+    assert cells[2][7:] == ["1.500", "0.500"]                                     # 2.5 - 2
+    assert cells[3][7:] == ["1.000"]                                              # step 3 missing: no gap
+    assert len(cells[4]) == 7
