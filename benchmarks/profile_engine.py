@@ -54,7 +54,7 @@ import sys
 import torch
 
 import paged_attention  # noqa: F401  (device policy first)
-from paged_attention.bench.engine import make_prompts, run_engine
+from paged_attention.bench.engine import idle_gap_ms, make_prompts, run_engine
 from paged_attention.engine import LLM, SamplingParams
 from paged_attention.model import LlamaConfig, LlamaForCausalLM
 from paged_attention.model.weights import random_weights
@@ -381,11 +381,9 @@ def per_step_table(llm: LLM, first: int) -> str:
     out = ["    step  reqs tokens   host  sched   prep update   GPU busy  idle before"]
     prev = None
     for s in llm.engine.step_stats[first:]:
-        busy = idle = ""
-        if s.gpu_events is not None:
-            busy = f"{s.gpu_events[0].elapsed_time(s.gpu_events[1]):8.3f}"
-            if prev is not None and prev.gpu_events is not None and s.step - prev.step == 1:
-                idle = f"{max(0.0, prev.gpu_events[1].elapsed_time(s.gpu_events[0])):8.3f}"
+        busy = "" if s.gpu_events is None else f"{s.gpu_events[0].elapsed_time(s.gpu_events[1]):8.3f}"
+        gap = idle_gap_ms(prev, s)
+        idle = "" if gap is None else f"{gap:8.3f}"
         out.append(f"    {s.step:4d} {s.num_reqs:5d} {s.num_tokens:6d} {1e3 * (s.total - s.wait):6.3f} "
                    f"{1e3 * s.schedule:6.3f} {1e3 * s.prepare:6.3f} {1e3 * s.update:6.3f}   {busy:>8}  {idle:>8}")
         prev = s

@@ -91,6 +91,17 @@ def _no_gc():
         gc.enable()
 
 
+def idle_gap_ms(before: Any, step: Any) -> Optional[float]:
+    """The GPU's idle time (ms) between two steps' device work, from the end event of ``before``
+    to the start event of ``step`` (``StepStats.gpu_events``); None unless both recorded events
+    and ``step`` ran right after ``before`` (by ``StepStats.step``: a step left out between two,
+    a prefill say, would count as idle time)."""
+    if (before is None or before.gpu_events is None or step.gpu_events is None
+            or getattr(step, "step", 1) - getattr(before, "step", 0) != 1):
+        return None
+    return max(0.0, before.gpu_events[1].elapsed_time(step.gpu_events[0]))
+
+
 def gpu_timeline(steps: Sequence[Any]) -> Optional[dict[str, float]]:
     """From the CUDA events of steps (``StepStats.gpu_events``, recorded around each step's device
     work): mean GPU busy time per step, and over the pairs of consecutive steps (by
@@ -98,15 +109,13 @@ def gpu_timeline(steps: Sequence[Any]) -> Optional[dict[str, float]]:
     (milliseconds), and the idle share of the time from one step's end to the next one's end.
     None without such a pair."""
     steps = [s for s in steps if s.gpu_events is not None]
-    # Pairs of steps that ran one right after the other (a step left out between two, a prefill
-    # say, would count as idle time).
-    pairs = [(a.gpu_events, b.gpu_events) for a, b in zip(steps, steps[1:])
-             if getattr(b, "step", 1) - getattr(a, "step", 0) == 1]
+    # Pairs of steps that ran one right after the other (``idle_gap_ms``).
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if idle_gap_ms(a, b) is not None]
     if not pairs:
         return None
     busy = [start.elapsed_time(end) for start, end in (s.gpu_events for s in steps)]
-    idle = [max(0.0, a[1].elapsed_time(b[0])) for a, b in pairs]
-    span = sum(a[1].elapsed_time(b[1]) for a, b in pairs)
+    idle = [idle_gap_ms(a, b) for a, b in pairs]
+    span = sum(a.gpu_events[1].elapsed_time(b.gpu_events[1]) for a, b in pairs)
     return {"gpu_busy_ms": statistics.mean(busy), "gpu_idle_ms": statistics.mean(idle),
             "gpu_idle_share": sum(idle) / span if span > 0 else float("nan")}
 
